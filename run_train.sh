@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Train titanlite.
+#
+#   ./run_train.sh [CONFIG.toml] [--section.key value | --section.key=value ...]
+#
+# CONFIG defaults to $CONFIG_FILE or train_configs/debug_model.toml. The first run installs
+# what is missing (scripts/setup_env.sh). Environment:
+#   NGPU           processes on this node (default: number of CUDA GPUs, else 1)
+#   LOG_RANK       comma-separated local ranks whose output is shown (default 0)
+#   NNODES         nodes in the job (default 1); with >1 also set RDZV_ENDPOINT=HOST:PORT
+#   RDZV_ENDPOINT  c10d rendezvous address (default localhost:0, a free port)
+#   RDZV_ID        rendezvous id shared by all nodes of one job (default: none)
+#   MAX_RESTARTS   times torchrun restarts the group after a rank fails (default 0)
+#   OMP_NUM_THREADS  intra-op threads per rank (default: CPU cores / NGPU)
+# Exit status: 0 done, 2 bad input (one line on stderr), 3 loss became non-finite.
+set -uo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+
+config="${CONFIG_FILE:-$repo/train_configs/debug_model.toml}"
+if [ $# -gt 0 ] && [[ "$1" != -* ]]; then
+  config="$1"; shift
+fi
+
+py="$("$repo/scripts/setup_env.sh")" || exit $?
+
+for arg in "$@"; do
+  if [ "$arg" = "--help" ] || [ "$arg" = "-h" ]; then
+    exec "$py" -m titanlite.train --help
+  fi
+done
+
+if [ -z "${NGPU:-}" ]; then
+  NGPU=1
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    gpus="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)"
+    [ "${gpus:-0}" -gt 0 ] && NGPU="$gpus"
+  fi
+fi
+NNODES="${NNODES:-1}"
+LOG_RANK="${LOG_RANK:-0}"
+if [ -z "${OMP_NUM_THREADS:-}" ]; then
+  # Split the cores between the ranks of this node instead of oversubscribing them.
+  cores="$(nproc 2>/dev/null || echo 1)"
+  threads=$(( cores / NGPU )); [ "$threads" -ge 1 ] || threads=1
+  export OMP_NUM_THREADS="$threads"
+fi
+
+# Config, layout and input files are checked once, before any process starts.
+WORLD_SIZE=$(( NGPU * NNODES )) "$py" -m titanlite.preflight --job.config_file "$config" "$@" \
+  || exit $?
+
+errors="$(mktemp -t titanlite-errors.XXXXXX)"
+trap 'rm -f "$errors"' EXIT
+export TITANLITE_ERROR_FILE="$errors"
+
+rdzv_args=(--rdzv_backend c10d --rdzv_endpoint "${RDZV_ENDPOINT:-localhost:0}")
+[ -n "${RDZV_ID:-}" ] && rdzv_args+=(--rdzv_id "$RDZV_ID")
+
+"$py" -m torch.distributed.run --nnodes="$NNODES" --nproc_per_node="$NGPU" "${rdzv_args[@]}" \
+  --max-restarts="${MAX_RESTARTS:-0}" --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
+  -m titanlite.train --job.config_file "$config" "$@"
+status=$?
+
+# A rank that stopped on bad input or divergence wrote "STATUS<TAB>message": repeat it last,
+# after torchrun's own report, and exit with that status.
+if [ "$status" -ne 0 ] && [ -s "$errors" ]; then
+  IFS=$'\t' read -r code message <"$errors"
+  echo "$message" >&2
+  exit "$code"
+fi
+exit "$status"

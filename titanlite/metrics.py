@@ -1,0 +1,176 @@
+"""Throughput, MFU and memory; the console, metrics.jsonl and wandb loggers.
+
+MFU is honest on any hardware: a table of dense peak FLOP/s covers known GPUs; anything
+else (every CPU, unknown GPUs) is measured once by a matmul benchmark in the training dtype
+and cached, and run.json records which.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Dense (no sparsity) peak FLOP/s from vendor data sheets, by a substring of the device name.
+# float32 entries assume TF32 matmuls, which titanlite enables on CUDA.
+GPU_PEAK_FLOPS: dict[str, dict[torch.dtype, float]] = {
+    "H200": {torch.bfloat16: 989.5e12, torch.float32: 494.7e12},
+    "H100 PCIe": {torch.bfloat16: 756.0e12, torch.float32: 378.0e12},
+    "H100": {torch.bfloat16: 989.5e12, torch.float32: 494.7e12},
+    "A100": {torch.bfloat16: 312.0e12, torch.float32: 156.0e12},
+    "L40S": {torch.bfloat16: 362.1e12, torch.float32: 183.2e12},
+    "A10G": {torch.bfloat16: 70.0e12, torch.float32: 35.0e12},
+}
+
+
+def _cache_file() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "titanlite" / "peak_flops.json"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    return f"{platform.processor() or platform.machine()} cpu"
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 2048) -> float:
+    """Best-of-several FLOP/s of a square matmul: what this device really delivers."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    best = math.inf
+    for _ in range(6):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        torch.mm(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    """(peak FLOP/s per device, how it was obtained: 'table: NAME' or 'measured ...')."""
+    name = device_name(device)
+    if device.type == "cuda":
+        for key, table in GPU_PEAK_FLOPS.items():
+            if key in name and dtype in table:
+                return table[dtype], f"table: {key}"
+    threads = torch.get_num_threads()
+    cache_key = f"{name}|{dtype}|{threads} threads"
+    path = _cache_file()
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    if cache_key in cached:
+        return float(cached[cache_key]), f"measured (cached) {cache_key}"
+    flops = measure_matmul_flops(device, dtype)
+    cached[cache_key] = flops
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cached, indent=1))
+        tmp.replace(path)
+    except OSError as e:  # a read-only home only costs a re-measurement next time
+        logger.warning("could not cache peak FLOP/s in %s: %s", path, e)
+    return flops, f"measured {cache_key}"
+
+
+def memory_peak_gib(device: torch.device) -> float:
+    """Peak memory: allocated tensors on CUDA; peak resident set size of the process on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+class MetricsLogger:
+    """Writes each logged step to metrics.jsonl, the console and (optionally) wandb.
+
+    Only the main rank writes; other ranks get a logger whose calls do nothing.
+    """
+
+    def __init__(
+        self, dump_folder: Path, enabled: bool, wandb_settings: dict[str, Any] | None = None
+    ):
+        self.enabled = enabled
+        self._file = None
+        self._wandb = None
+        if not enabled:
+            return
+        dump_folder.mkdir(parents=True, exist_ok=True)
+        # Appending keeps the history of a resumed run in one file.
+        self._file = open(dump_folder / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
+        if wandb_settings is not None:
+            self._wandb = _start_wandb(dump_folder, wandb_settings)
+
+    def log(self, record: dict[str, Any], console: str | None = None) -> None:
+        if not self.enabled:
+            return
+        assert self._file is not None
+        self._file.write(json.dumps(record) + "\n")
+        if console:
+            sys.stdout.write(console + "\n")
+            sys.stdout.flush()
+        if self._wandb is not None:
+            step = record.get("step")
+            self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=step)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def wandb_mode() -> str:
+    """WANDB_MODE when set; otherwise online with credentials, offline without."""
+    mode = os.environ.get("WANDB_MODE")
+    if mode:
+        return mode
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    netrc = Path(os.path.expanduser("~")) / ".netrc"
+    try:
+        if "api.wandb.ai" in netrc.read_text():
+            return "online"
+    except OSError:
+        pass
+    return "offline"
+
+
+def _start_wandb(dump_folder: Path, settings: dict[str, Any]):  # noqa: ANN202
+    import wandb
+
+    mode = wandb_mode()
+    run = wandb.init(
+        project=settings.get("project"),
+        name=settings.get("name") or None,
+        config=settings.get("config"),
+        dir=str(dump_folder),
+        mode=mode,
+    )
+    logger.info("wandb: mode %s, run folder %s", mode, getattr(run, "dir", "?"))
+    return run

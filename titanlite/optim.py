@@ -1,0 +1,100 @@
+"""Optimizer, learning-rate schedule and gradient clipping."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from titanlite.config import JobConfig
+
+
+def build_optimizer(
+    model: nn.Module, cfg: JobConfig, device: torch.device
+) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (norm weights are not decayed)."""
+    o = cfg.optimizer
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": o.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    impl = o.implementation
+    if impl == "auto":
+        impl = "fused" if device.type == "cuda" else "foreach"
+    return torch.optim.AdamW(
+        groups,
+        lr=o.lr,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
+        fused=impl == "fused",
+        foreach=impl == "foreach",
+    )
+
+
+def lr_factor(step: int, cfg: JobConfig) -> float:
+    """Multiplier of optimizer.lr for optimizer step `step` (1-based).
+
+    Linear warmup to 1 over warmup_steps, flat, then a decay over the last decay_ratio of the
+    steps (all post-warmup steps when decay_ratio is unset) down to min_lr_factor.
+    """
+    s, total = cfg.lr_scheduler, cfg.training.steps
+    warmup = min(s.warmup_steps, total)
+    if step <= warmup:
+        return step / (warmup + 1)
+    decay_steps = total - warmup if s.decay_ratio is None else round(s.decay_ratio * total)
+    decay_steps = min(decay_steps, total - warmup)
+    decay_start = total - decay_steps
+    if step <= decay_start or decay_steps == 0:
+        return 1.0
+    progress = (step - decay_start) / decay_steps
+    if s.decay_type == "linear":
+        curve = 1.0 - progress
+    elif s.decay_type == "sqrt":
+        curve = 1.0 - math.sqrt(progress)
+    else:
+        curve = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return s.min_lr_factor + (1.0 - s.min_lr_factor) * curve
+
+
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: JobConfig
+) -> torch.optim.lr_scheduler.LambdaLR:
+    # LambdaLR counts from 0 at construction; optimizer step s (1-based) runs with factor(s).
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda e: lr_factor(e + 1, cfg))
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip to the true global norm and return it (a plain tensor, the same on every rank).
+
+    Parameters may be DTensors sharded over different meshes (FSDP, TP, both). Gradients are
+    grouped by (mesh, placements); each group's norm is one DTensor reduction over its mesh,
+    so the result is the norm of the whole unsharded gradient with one collective per group.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    groups: dict[object, list[torch.Tensor]] = {}
+    for g in grads:
+        key = (id(g.device_mesh), g.placements) if isinstance(g, DTensor) else g.device
+        groups.setdefault(key, []).append(g)
+    squares = []
+    for members in groups.values():
+        # Accumulate in float64: float32 sums over millions of elements drift by ~1e-4.
+        norms = torch._foreach_norm(members, 2.0, dtype=torch.float64)
+        group_norm = torch.linalg.vector_norm(torch.stack(norms))
+        if isinstance(group_norm, DTensor):
+            group_norm = group_norm.full_tensor()
+        squares.append(group_norm.pow(2))
+    total = torch.stack(squares).sum().sqrt().float()
+    if max_norm > 0:
+        scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        torch._foreach_mul_(local, scale.to(local[0].device))
+    return total

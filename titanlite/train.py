@@ -1,0 +1,363 @@
+"""The trainer: reads top to bottom like a run does.
+
+    python -m titanlite.train --job.config_file CONFIG.toml [--section.key value ...]
+
+Normally started by ./run_train.sh through torchrun; a plain single process works too.
+Exit status: 0 done, 2 bad input (one line on stderr), 3 the loss became non-finite.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from titanlite import distributed
+from titanlite.config import (
+    JobConfig,
+    global_batch_size,
+    gradient_accumulation_steps,
+    help_text,
+    load_config,
+    parse_cli,
+    resolve_degrees,
+    to_toml,
+)
+from titanlite.data import IGNORE_INDEX, DataSpec, build_dataloader
+from titanlite.errors import EXIT_USER_ERROR, UserError
+from titanlite.metrics import (
+    MetricsLogger,
+    device_name,
+    format_duration,
+    memory_peak_gib,
+    peak_flops,
+)
+from titanlite.models.llama import Transformer, count_params, flops_per_token
+from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from titanlite.parallel.dims import ParallelDims
+from titanlite.parallel.parallelize import parallelize
+from titanlite.preflight import build_model_args, check, resolve_path
+
+logger = logging.getLogger("titanlite.train")
+
+EXIT_DIVERGED = 3
+
+
+class TrainingDiverged(RuntimeError):
+    pass
+
+
+def data_spec(cfg: JobConfig) -> DataSpec:
+    t = cfg.training
+    return DataSpec(
+        dataset=t.dataset,
+        dataset_path=resolve_path(t.dataset_path),
+        dataset_config=t.dataset_config,
+        text_field=t.text_field,
+        seq_len=t.seq_len,
+        local_batch_size=t.local_batch_size,
+        seed=t.seed,
+        validation_fraction=cfg.validation.holdout_fraction,
+    )
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        t = cfg.training
+        # 1. Processes, devices and the layout.
+        self.tokenizer = check(cfg, distributed.env_info()[1])
+        self.dist = distributed.init(t.seed)
+        self.device = self.dist.device
+        degrees = resolve_degrees(cfg, self.dist.world_size)
+        self.accum_steps = gradient_accumulation_steps(cfg, degrees)
+        self.global_batch = global_batch_size(cfg, degrees)
+        self.dims = ParallelDims(degrees, self.device.type)
+        if t.deterministic:
+            torch.use_deterministic_algorithms(True)
+
+        # 2. Tokenizer and data: each rank reads its share of the same global batches.
+        self.spec = data_spec(cfg)
+        self.train_loader = build_dataloader(
+            self.tokenizer, self.spec, self.dims.dp_rank, self.dims.dp_size, "train"
+        )
+        self.train_iter = iter(self.train_loader)
+
+        # 3. Model: meta device -> parallelize -> materialize and initialize.
+        self.model_args = build_model_args(cfg, self.tokenizer.vocab_size)
+        with torch.device("meta"):
+            model = Transformer(self.model_args)
+        self.num_params = count_params(model)
+        self.flops_per_token = flops_per_token(self.model_args, t.seq_len)
+        self.model = model  # the unwrapped module (checkpoints, init)
+        self.train_model = parallelize(model, self.dims, cfg, self._materialize)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+
+        # 4. Optimization.
+        self.optimizer = build_optimizer(self.model, cfg, self.device)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
+        self.step = 0
+        self.tokens_seen = 0
+
+        # 5. Outputs.
+        self.dump_folder = Path(cfg.job.dump_folder)
+        self.train_dtype = torch.float32
+        self.peak_flops, self.peak_source = peak_flops(self.device, self.train_dtype)
+        if self.dist.is_main:
+            self._write_run_files()
+        wandb_settings = None
+        if cfg.metrics.enable_wandb:
+            wandb_settings = {
+                "project": cfg.metrics.wandb_project,
+                "name": cfg.metrics.wandb_run_name or cfg.job.description,
+                "config": {s: asdict(getattr(cfg, s)) for s in asdict(cfg)},
+            }
+        self.metrics = MetricsLogger(self.dump_folder, self.dist.is_main, wandb_settings)
+
+    def _materialize(self, model: nn.Module) -> None:
+        model.to_empty(device=self.device)
+        model.init_weights(self.cfg.training.seed)
+
+    def _write_run_files(self) -> None:
+        self.dump_folder.mkdir(parents=True, exist_ok=True)
+        (self.dump_folder / "config.toml").write_text(to_toml(self.cfg))
+        d = self.dims.degrees
+        info = {
+            "num_params": self.num_params,
+            "flops_per_token": self.flops_per_token,
+            "world_size": self.dist.world_size,
+            "parallel_degrees": {
+                "dp_replicate": d.dp_replicate,
+                "dp_shard": d.dp_shard,
+                "tp": d.tp,
+            },
+            "global_batch_size": self.global_batch,
+            "gradient_accumulation_steps": self.accum_steps,
+            "device": str(self.device),
+            "device_name": device_name(self.device),
+            "train_dtype": str(self.train_dtype).removeprefix("torch."),
+            "peak_flops_per_device": self.peak_flops,
+            "peak_flops_source": self.peak_source,
+            "vocab_size": self.tokenizer.vocab_size,
+            "tokenizer": self.tokenizer.path.as_posix(),
+            "model_args": asdict(self.model_args),
+            "torch_version": torch.__version__,
+        }
+        (self.dump_folder / "run.json").write_text(json.dumps(info, indent=2) + "\n")
+        logger.info(
+            "model %s/%s: %s parameters, %.3g FLOPs per token; global batch %d x %d tokens "
+            "(%d micro-batches per step)",
+            self.cfg.model.name, self.cfg.model.flavor, f"{self.num_params:,}",
+            self.flops_per_token, self.global_batch, self.cfg.training.seq_len, self.accum_steps,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ the loop
+    def train(self) -> None:
+        cfg = self.cfg
+        total = cfg.training.steps
+        start = time.perf_counter()
+        window_start, window_tokens, window_data_s = start, 0, 0.0
+        first_step = self.step + 1
+        while self.step < total:
+            self.step += 1
+            t0 = time.perf_counter()
+            batches = [next(self.train_iter) for _ in range(self.accum_steps)]
+            window_data_s += time.perf_counter() - t0
+            loss, n_tokens, grad_norm = self.train_step(batches)
+            window_tokens += sum(x.numel() for x, _ in batches)
+            self.tokens_seen += n_tokens
+
+            if (
+                self.step == first_step
+                or self.step % cfg.metrics.log_freq == 0
+                or self.step == total
+            ):
+                now = time.perf_counter()
+                self._log_step(loss, grad_norm, now - window_start, window_tokens, window_data_s,
+                               eta=(now - start) / (self.step - first_step + 1) * (total - self.step))  # fmt: skip
+                window_start, window_tokens, window_data_s = time.perf_counter(), 0, 0.0
+            if cfg.validation.enable and (
+                self.step % cfg.validation.freq == 0 or self.step == total
+            ):
+                self.validate()
+        logger.info(
+            "training finished: %d steps in %s", total, format_duration(time.perf_counter() - start)
+        )
+
+    def train_step(
+        self, batches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """One optimizer step over the micro-batches; returns (global mean loss, global target
+        tokens, gradient norm before clipping)."""
+        dp_group = self.dims.group("dp")
+        # Every rank needs the global count of target tokens before backward: the loss is
+        # a sum divided by it, so accumulation, parallelism and padding never change it.
+        local_tokens = sum((y != IGNORE_INDEX).sum() for _, y in batches)
+        n_tokens = distributed.all_reduce(
+            torch.as_tensor(local_tokens), dist.ReduceOp.SUM, dp_group
+        )
+        n_tokens_int = int(n_tokens)
+        # Data-parallel engines average gradients over the dp ranks; undo that average.
+        scale = self.dims.dp_size / n_tokens_int
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (inputs, labels) in enumerate(batches):
+            last = i == len(batches) - 1
+            inputs = inputs.to(self.device, non_blocking=True)
+            labels = labels.to(self.device, non_blocking=True)
+            with self._maybe_no_sync(last):
+                logits = self.train_model(inputs)
+                ce = F.cross_entropy(
+                    logits.flatten(0, 1),
+                    labels.flatten(),
+                    reduction="sum",
+                    ignore_index=IGNORE_INDEX,
+                )
+                (ce * scale).backward()
+            loss_sum += ce.detach()
+        grad_norm = clip_grad_norm_(self.params, self.cfg.training.max_norm)
+        self.last_lr = self.lr_scheduler.get_last_lr()[0]  # the rate this step uses
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = distributed.all_reduce(loss_sum, dist.ReduceOp.SUM, dp_group) / n_tokens_int
+        return loss, n_tokens_int, grad_norm
+
+    def _maybe_no_sync(self, sync: bool) -> contextlib.AbstractContextManager:
+        """Skip gradient communication on all but the last micro-batch of a step."""
+        model = self.train_model
+        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+            model.set_requires_gradient_sync(sync)
+            return contextlib.nullcontext()
+        if not sync and hasattr(model, "no_sync"):  # DDP
+            return model.no_sync()
+        return contextlib.nullcontext()
+
+    def _log_step(
+        self, loss: torch.Tensor, grad_norm: torch.Tensor, seconds: float, tokens: int,
+        data_s: float, eta: float,
+    ) -> None:  # fmt: skip
+        loss_value = float(loss)
+        if not torch.isfinite(loss).item() or not torch.isfinite(grad_norm).item():
+            raise TrainingDiverged(
+                f"loss became non-finite at step {self.step} (loss {loss_value}, grad norm "
+                f"{float(grad_norm)}); try a lower optimizer.lr or a longer warmup"
+            )
+        tps = tokens / seconds
+        mfu = 100 * tps * self.flops_per_token / self.peak_flops
+        record = {
+            "step": self.step,
+            "loss": loss_value,
+            "grad_norm": float(grad_norm),
+            "lr": self.last_lr,
+            "tps": tps,
+            "mfu_pct": mfu,
+            "mem_peak_gib": memory_peak_gib(self.device),
+            "tokens_seen": self.tokens_seen,
+            "data_wait_pct": 100 * data_s / seconds,
+            "time": time.time(),
+        }
+        total = self.cfg.training.steps
+        console = (
+            f"step {self.step:>{len(str(total))}}/{total} | loss {loss_value:7.4f} | "
+            f"grad_norm {record['grad_norm']:6.3f} | lr {record['lr']:.2e} | "
+            f"tps {tps:,.0f} | mfu {mfu:5.2f}% | mem {record['mem_peak_gib']:.2f}GiB | "
+            f"eta {format_duration(eta)}"
+        )
+        self.metrics.log(record, console)
+
+    @torch.no_grad()
+    def validate(self) -> None:
+        """Mean loss over the held-out documents (the same batches every time)."""
+        cfg = self.cfg
+        dp_group = self.dims.group("dp")
+        loader = build_dataloader(
+            self.tokenizer, self.spec, self.dims.dp_rank, self.dims.dp_size, "validation"
+        )
+        self.train_model.eval()
+        loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
+        count = torch.zeros((), device=self.device, dtype=torch.float64)
+        batches = 0
+        it = iter(loader)
+        while cfg.validation.steps == -1 or batches < cfg.validation.steps:
+            batch = next(it, None)
+            # Every rank must run the same number of forwards (FSDP gathers inside them).
+            have = distributed.all_reduce(
+                torch.tensor(int(batch is not None)), dist.ReduceOp.MIN, dp_group
+            )
+            if not int(have):
+                break
+            inputs, labels = (t.to(self.device) for t in batch)
+            logits = self.train_model(inputs)
+            loss_sum += F.cross_entropy(
+                logits.flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX
+            ).double()
+            count += (labels != IGNORE_INDEX).sum()
+            batches += 1
+        self.train_model.train()
+        loss_sum = distributed.all_reduce(loss_sum, dist.ReduceOp.SUM, dp_group)
+        count = distributed.all_reduce(count, dist.ReduceOp.SUM, dp_group)
+        if int(count) == 0:
+            logger.warning("validation split is empty; no validation loss")
+            return
+        val_loss = float(loss_sum / count)
+        self.metrics.log(
+            {
+                "step": self.step,
+                "kind": "validation",
+                "val_loss": val_loss,
+                "val_tokens": int(count),
+            },
+            f"validation at step {self.step} | val_loss {val_loss:7.4f} | {int(count):,} tokens",
+        )
+
+    def close(self) -> None:
+        self.metrics.close()
+
+
+def report_error(message: str, status: int) -> int:
+    """One line on stderr; also "STATUS<TAB>line" to TITANLITE_ERROR_FILE so the launcher
+    can repeat it after torchrun's report and exit with the same status."""
+    line = f"titanlite: error: {message}".replace("\n", " ")
+    sys.stderr.write(line + "\n")
+    path = os.environ.get("TITANLITE_ERROR_FILE")
+    if path:
+        with contextlib.suppress(OSError), open(path, "a") as f:
+            f.write(f"{status}\t{line}\n")
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    distributed.setup_logging()
+    trainer = None
+    try:
+        want_help, _ = parse_cli(argv)
+        if want_help:
+            sys.stdout.write(help_text() + "\n")
+            return 0
+        cfg = load_config(argv)
+        trainer = Trainer(cfg)
+        trainer.train()
+        return 0
+    except UserError as e:
+        return report_error(str(e), EXIT_USER_ERROR)
+    except TrainingDiverged as e:
+        return report_error(str(e), EXIT_DIVERGED)
+    finally:
+        if trainer is not None:
+            trainer.close()
+        distributed.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -47,8 +47,10 @@ def lr_factor(step: int, cfg: JobConfig) -> float:
     warmup = min(s.warmup_steps, total)
     if step <= warmup:
         return step / (warmup + 1)
-    decay_steps = total - warmup if s.decay_ratio is None else round(s.decay_ratio * total)
-    decay_steps = min(decay_steps, total - warmup)
+    # The first step after warmup runs at the peak; the decay uses the steps after it.
+    post_peak = max(total - warmup - 1, 0)
+    decay_steps = post_peak if s.decay_ratio is None else round(s.decay_ratio * total)
+    decay_steps = min(decay_steps, post_peak)
     decay_start = total - decay_steps
     if step <= decay_start or decay_steps == 0:
         return 1.0

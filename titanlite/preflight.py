@@ -59,7 +59,18 @@ def check(cfg: JobConfig, world_size: int) -> Tokenizer:
     degrees = resolve_degrees(cfg, world_size)
     gradient_accumulation_steps(cfg, degrees)
     tokenizer = Tokenizer(resolve_path(cfg.model.tokenizer_path))
-    build_model_args(cfg, tokenizer.vocab_size)
+    args = build_model_args(cfg, tokenizer.vocab_size)
+    tp = degrees.tp
+    for key, value in (("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads)):
+        if value % tp:
+            raise ConfigError(
+                f"parallelism.tensor_parallel_degree {tp} does not divide model.{key} {value}"
+            )
+    if cfg.training.seq_len % tp:
+        raise ConfigError(
+            f"parallelism.tensor_parallel_degree {tp} does not divide training.seq_len "
+            f"{cfg.training.seq_len} (sequence parallelism splits the sequence)"
+        )
     path = resolve_path(cfg.training.dataset_path)
     if path and not os.path.exists(path):
         raise ConfigError(f"training.dataset_path: {path!r} does not exist")

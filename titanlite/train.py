@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from titanlite import distributed
 from titanlite.config import (
@@ -45,7 +47,7 @@ from titanlite.metrics import (
 from titanlite.models.llama import Transformer, count_params, flops_per_token
 from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from titanlite.parallel.dims import ParallelDims
-from titanlite.parallel.parallelize import parallelize
+from titanlite.parallel.parallelize import DTYPES, parallelize, uses_loss_parallel
 from titanlite.preflight import build_model_args, check, resolve_path
 
 logger = logging.getLogger("titanlite.train")
@@ -101,6 +103,11 @@ class Trainer:
         self.flops_per_token = flops_per_token(self.model_args, t.seq_len)
         self.model = model  # the unwrapped module (checkpoints, init)
         self.train_model = parallelize(model, self.dims, cfg, self._materialize)
+        self.loss_parallel = uses_loss_parallel(self.dims, cfg)
+        uses_fsdp = degrees.dp_shard > 1
+        self.autocast_dtype = (
+            None if uses_fsdp or t.mixed_precision_param == "float32" else torch.bfloat16
+        )
         self.params = [p for p in self.model.parameters() if p.requires_grad]
 
         # 4. Optimization.
@@ -111,7 +118,7 @@ class Trainer:
 
         # 5. Outputs.
         self.dump_folder = Path(cfg.job.dump_folder)
-        self.train_dtype = torch.float32
+        self.train_dtype = DTYPES[t.mixed_precision_param]
         self.peak_flops, self.peak_source = peak_flops(self.device, self.train_dtype)
         if self.dist.is_main:
             self._write_run_files()
@@ -214,16 +221,12 @@ class Trainer:
             last = i == len(batches) - 1
             inputs = inputs.to(self.device, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
-            with self._maybe_no_sync(last):
-                logits = self.train_model(inputs)
-                ce = F.cross_entropy(
-                    logits.flatten(0, 1),
-                    labels.flatten(),
-                    reduction="sum",
-                    ignore_index=IGNORE_INDEX,
-                )
+            with self._maybe_no_sync(last), self._loss_context():
+                with self._autocast():
+                    logits = self.train_model(inputs)
+                ce = cross_entropy_sum(logits, labels)
                 (ce * scale).backward()
-            loss_sum += ce.detach()
+            loss_sum += full(ce.detach())
         grad_norm = clip_grad_norm_(self.params, self.cfg.training.max_norm)
         self.last_lr = self.lr_scheduler.get_last_lr()[0]  # the rate this step uses
         self.optimizer.step()
@@ -231,6 +234,16 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss = distributed.all_reduce(loss_sum, dist.ReduceOp.SUM, dp_group) / n_tokens_int
         return loss, n_tokens_int, grad_norm
+
+    def _loss_context(self) -> contextlib.AbstractContextManager:
+        """Loss parallel: cross-entropy straight from vocab-sharded logits (TP)."""
+        return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """bf16 compute for layouts without FSDP (FSDP casts parameters itself)."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def _maybe_no_sync(self, sync: bool) -> contextlib.AbstractContextManager:
         """Skip gradient communication on all but the last micro-batch of a step."""
@@ -297,10 +310,10 @@ class Trainer:
             if not int(have):
                 break
             inputs, labels = (t.to(self.device) for t in batch)
-            logits = self.train_model(inputs)
-            loss_sum += F.cross_entropy(
-                logits.flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX
-            ).double()
+            with self._loss_context():
+                with self._autocast():
+                    logits = self.train_model(inputs)
+                loss_sum += full(cross_entropy_sum(logits, labels)).double()
             count += (labels != IGNORE_INDEX).sum()
             batches += 1
         self.train_model.train()
@@ -322,6 +335,18 @@ class Trainer:
 
     def close(self) -> None:
         self.metrics.close()
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed token cross-entropy (the caller divides by the global target count)."""
+    return F.cross_entropy(
+        logits.flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX
+    )
+
+
+def full(value: torch.Tensor) -> torch.Tensor:
+    """A plain tensor from a possibly distributed one (a loss under loss parallel)."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 def report_error(message: str, status: int) -> int:

@@ -111,6 +111,10 @@ class Training:
     """Hub dataset configuration name (e.g. "en" for allenai/c4)."""
     text_field: str = "text"
     """Field/column holding the text in json and parquet rows."""
+    mixed_precision_param: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype of parameters in forward/backward (FSDP casts its gathered shards; other layouts use autocast). Master weights stay float32."""
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
+    """Dtype in which FSDP reduces gradients."""
 
 
 @dataclass
@@ -123,6 +127,24 @@ class Parallelism:
     """Ranks that split each layer with tensor parallelism."""
     ddp_bucket_cap_mb: float = 25.0
     """Gradient bucket size of the data-parallel engine."""
+    disable_loss_parallel: bool = False
+    """With tensor parallelism, gather the full logits instead of computing the loss on vocab shards."""
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """Free gathered parameters after forward: always, never (faster, more memory), or default (all blocks but the last)."""
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "selective", "full"] = "none"
+    """Recompute activations in backward to save memory: none, selective or full (every block)."""
+    selective_ac_option: str = "2"
+    """With mode selective: an integer N checkpoints every Nth block; "op" saves matmul and attention outputs and recomputes the rest."""
+
+
+@dataclass
+class Compile:
+    enable: bool = False
+    """torch.compile each transformer block (first steps are slower while compiling)."""
 
 
 @dataclass
@@ -157,5 +179,7 @@ class JobConfig:
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)

@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import json
 import math
 import os
 import sys
@@ -159,6 +160,10 @@ def _lookup(key: str) -> tuple[str, str, Any]:
     return section, name, types_[name]
 
 
+def _is_option(token: str) -> bool:
+    return token.startswith("--") or token == "-h"
+
+
 def parse_cli(argv: list[str]) -> tuple[bool, dict[str, str | bool]]:
     """(help requested, {'section.key': raw value}) from command-line tokens."""
     overrides: dict[str, str | bool] = {}
@@ -178,12 +183,13 @@ def parse_cli(argv: list[str]) -> tuple[bool, dict[str, str | bool]]:
         _, _, tp = _lookup(key)
         if eq:
             overrides[key] = raw
-        elif _split_optional(tp)[0] is bool and (i >= len(argv) or argv[i].startswith("--")):
-            overrides[key] = True
-        elif i < len(argv):
+        elif i < len(argv) and not _is_option(argv[i]):
             overrides[key] = argv[i]
             i += 1
+        elif _split_optional(tp)[0] is bool:
+            overrides[key] = True
         else:
+            # A value that starts with "--" must use the --section.key=value form.
             raise ConfigError(f"--{key}: missing value")
     return want_help, overrides
 
@@ -246,6 +252,7 @@ def validate(cfg: JobConfig) -> None:
         "training.global_batch_size",
         "must be -1 or at least 1",
     )
+    require(0 <= t.seed < 2**32, "training.seed", "must be in [0, 2**32)")
     require(t.max_norm >= 0, "training.max_norm", "must be >= 0 (0 disables clipping)")
     require(o.lr > 0, "optimizer.lr", "must be > 0")
     require(o.eps > 0, "optimizer.eps", "must be > 0")
@@ -283,6 +290,13 @@ def validate(cfg: JobConfig) -> None:
         p.tensor_parallel_degree >= 1, "parallelism.tensor_parallel_degree", "must be at least 1"
     )
     require(p.ddp_bucket_cap_mb > 0, "parallelism.ddp_bucket_cap_mb", "must be > 0")
+    ac = cfg.activation_checkpoint
+    option = ac.selective_ac_option
+    require(
+        ac.mode != "selective" or option == "op" or (option.isdigit() and int(option) >= 1),
+        "activation_checkpoint.selective_ac_option",
+        'must be "op" or a positive integer',
+    )
 
 
 def to_toml(cfg: JobConfig) -> str:
@@ -307,8 +321,8 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, str):
-        escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-        return f'"{escaped}"'
+        # JSON's string escapes are all valid TOML; TOML also forbids a raw DEL.
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise TypeError(f"cannot write {value!r} as TOML")

@@ -236,6 +236,8 @@ class Transformer(nn.Module):
             self.rope.device
         )
         for name, param in self.named_parameters():
+            # Wrappers (activation checkpointing) must not change what a weight starts as.
+            name = name.replace("_checkpoint_wrapped_module.", "")
             full = initial_value(self, name, param.shape, seed).to(param.device, param.dtype)
             if isinstance(param, DTensor):
                 # A sharded parameter keeps only its own slice of the same full value.

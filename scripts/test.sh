@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Run titanlite's tests, installing what they need on first use (scripts/setup_env.sh --dev).
+#
+#   scripts/test.sh                 everything (about 15 minutes on 2 CPU cores)
+#   scripts/test.sh -m "not slow"   the fast subset (under a minute)
+#   scripts/test.sh tests/test_ddp.py -x    any pytest arguments
+#
+# Also runs `ruff check` and `ruff format --check` on the whole repo when given no arguments.
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo"
+py="$(scripts/setup_env.sh --dev)"
+if [ $# -eq 0 ]; then
+  "$py" -m ruff check .
+  "$py" -m ruff format --check .
+fi
+# Tests never reach the network: the Hub is refused at once, wandb stays offline.
+export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 WANDB_MODE="${WANDB_MODE:-offline}"
+export TITANLITE_PYTHON="$py"
+exec "$py" -m pytest "$@"

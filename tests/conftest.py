@@ -1,0 +1,59 @@
+"""Shared fixtures: how tests start titanlite the way a user does."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def subprocess_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """Environment for a titanlite subprocess: this interpreter, no network, caches in tmp."""
+    env = dict(os.environ)
+    env.update(
+        TITANLITE_PYTHON=sys.executable,
+        HF_DATASETS_OFFLINE="1",
+        HF_HUB_OFFLINE="1",
+        WANDB_MODE=env.get("WANDB_MODE", "offline"),
+        WANDB_DIR=str(tmp_path),
+        WANDB_CACHE_DIR=str(tmp_path / "wandb-cache"),
+        WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"),
+        WANDB_DATA_DIR=str(tmp_path / "wandb-data"),
+        PYTHONUNBUFFERED="1",
+    )
+    env.pop("TITANLITE_ERROR_FILE", None)
+    env.update(extra)
+    return env
+
+
+def run_train(
+    tmp_path: Path, *args: str, ngpu: int = 1, timeout: float = 600, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """./run_train.sh ARGS with NGPU processes; output captured."""
+    return subprocess.run(
+        [str(REPO / "run_train.sh"), *args],
+        cwd=REPO,
+        env=subprocess_env(tmp_path, NGPU=str(ngpu), **env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def read_metrics(folder: Path) -> tuple[list[dict], list[dict]]:
+    """(training records, validation records) from a run's metrics.jsonl."""
+    lines = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in lines if r.get("kind") != "validation"]
+    val = [r for r in lines if r.get("kind") == "validation"]
+    return train, val
+
+
+@pytest.fixture
+def repo() -> Path:
+    return REPO

@@ -1,0 +1,133 @@
+"""End to end through ./run_train.sh, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import read_metrics, run_train
+
+from titanlite.config.parse import tomllib
+
+pytestmark = pytest.mark.slow
+
+REQUIRED_FIELDS = {
+    "step", "loss", "grad_norm", "lr", "tps", "mfu_pct", "mem_peak_gib", "tokens_seen",
+}  # fmt: skip
+
+
+def test_default_run_learns_and_writes_its_outputs(tmp_path: Path) -> None:
+    """The quick-start command: the debug model trains on sotu and the loss falls by > 1/4."""
+    out = tmp_path / "run"
+    result = run_train(
+        tmp_path, "--job.dump_folder", str(out), "--metrics.enable_wandb", WANDB_MODE="offline"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    train, val = read_metrics(out)
+    assert [r["step"] for r in train][:2] == [1, 10]
+    assert train[-1]["step"] == 100
+    for record in train:
+        assert REQUIRED_FIELDS <= record.keys()
+        assert math.isfinite(record["loss"]) and record["tps"] > 0 and record["mfu_pct"] > 0
+    assert train[-1]["loss"] < 0.75 * train[0]["loss"], [r["loss"] for r in train]
+    assert [r["step"] for r in val] == [50, 100]
+    assert val[-1]["val_loss"] < val[0]["val_loss"]
+    tokens_per_step = 8 * 256
+    assert train[-1]["tokens_seen"] == 100 * tokens_per_step
+
+    # The console shows the same steps, one line each, with an ETA.
+    console = [line for line in result.stdout.splitlines() if "| loss " in line]
+    assert len(console) == len(train) and all("eta" in line for line in console)
+
+    resolved = tomllib.loads((out / "config.toml").read_text())
+    assert resolved["training"]["steps"] == 100 and resolved["model"]["flavor"] == "debugmodel"
+    run = json.loads((out / "run.json").read_text())
+    assert run["num_params"] > 1_000_000 and run["flops_per_token"] > 6 * run["num_params"] // 2
+    assert run["world_size"] == 1 and run["peak_flops_source"].startswith("measured")
+    assert run["parallel_degrees"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 1}
+
+    # wandb (offline) wrote a run with data in it.
+    runs = list((out / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert runs and runs[0].stat().st_size > 0
+
+
+def _losses(folder: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(folder)[0]]
+
+
+def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path: Path) -> None:
+    common = ["--training.steps", "8", "--metrics.log_freq", "1", "--validation.enable", "false"]
+    one, two, accum = tmp_path / "one", tmp_path / "two", tmp_path / "accum"
+    r1 = run_train(tmp_path, *common, "--job.dump_folder", str(one))
+    r2 = run_train(
+        tmp_path, *common, "--job.dump_folder", str(two), "--training.local_batch_size=4", ngpu=2
+    )
+    # Same global batch of 8 from 1 process in two micro-batches of 4.
+    r3 = run_train(
+        tmp_path, *common, "--job.dump_folder", str(accum),
+        "--training.local_batch_size", "4", "--training.global_batch_size", "8",
+    )  # fmt: skip
+    for r in (r1, r2, r3):
+        assert r.returncode == 0, r.stderr[-3000:]
+    base = _losses(one)
+    assert len(base) == 8
+    for other in (two, accum):
+        for a, b in zip(base, _losses(other), strict=True):
+            assert abs(a - b) <= 1e-5 * abs(a), (other.name, a, b)
+    assert json.loads((two / "run.json").read_text())["parallel_degrees"]["dp_shard"] == 2
+
+
+def _one_error_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert "Traceback" not in stderr
+    return lines[-1]
+
+
+def test_bad_config_is_one_line_and_status_2(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[training]\nstpes = 3\n")
+    result = run_train(tmp_path, str(bad))
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "stpes" in result.stderr and "did you mean 'steps'" in result.stderr
+
+    missing = run_train(tmp_path, str(tmp_path / "nope.toml"))
+    assert missing.returncode == 2 and "nope.toml" in _one_error_line(missing.stderr)
+
+    layout = run_train(tmp_path, "--parallelism.data_parallel_replicate_degree", "3", ngpu=2)
+    assert layout.returncode == 2 and "parallelism" in _one_error_line(layout.stderr)
+
+
+def test_error_found_inside_the_ranks_still_exits_2(tmp_path: Path) -> None:
+    """An empty data folder passes the launcher's checks but not the loader's."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = run_train(tmp_path, "--training.dataset_path", str(empty), "--training.steps", "2")
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("titanlite: error:") and str(empty) in last
+
+
+def test_divergence_stops_with_a_message_and_status_3(tmp_path: Path) -> None:
+    result = run_train(
+        tmp_path, "--optimizer.lr", "1e30", "--lr_scheduler.warmup_steps", "0",
+        "--training.max_norm", "0", "--training.steps", "20", "--metrics.log_freq", "1",
+        "--job.dump_folder", str(tmp_path / "run"),
+    )  # fmt: skip
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert "non-finite" in result.stderr.strip().splitlines()[-1]
+
+
+def test_help_lists_every_section(tmp_path: Path) -> None:
+    result = run_train(tmp_path, "--help")
+    assert result.returncode == 0
+    for section in ("[job]", "[model]", "[optimizer]", "[lr_scheduler]", "[training]",
+                    "[parallelism]", "[metrics]", "[validation]"):  # fmt: skip
+        assert section in result.stdout
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-v"]))

@@ -45,9 +45,12 @@ if [ -z "${OMP_NUM_THREADS:-}" ]; then
   export OMP_NUM_THREADS="$threads"
 fi
 
-# Config, layout and input files are checked once, before any process starts.
-WORLD_SIZE=$(( NGPU * NNODES )) "$py" -m titanlite.preflight --job.config_file "$config" "$@" \
-  || exit $?
+# Config, layout and input files are checked once, before any process starts. Status 100
+# means preflight did a dry run (--job.dry_run) and there is nothing to launch.
+WORLD_SIZE=$(( NGPU * NNODES )) "$py" -m titanlite.preflight --job.config_file "$config" "$@"
+status=$?
+[ "$status" -eq 100 ] && exit 0
+[ "$status" -eq 0 ] || exit "$status"
 
 errors="$(mktemp -t titanlite-errors.XXXXXX)"
 trap 'rm -f "$errors"' EXIT

@@ -14,10 +14,12 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger(__name__)
 
@@ -174,3 +176,23 @@ def _start_wandb(dump_folder: Path, settings: dict[str, Any]):  # noqa: ANN202
     )
     logger.info("wandb: mode %s, run folder %s", mode, getattr(run, "dir", "?"))
     return run
+
+
+def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes these tensors occupy on this rank (a DTensor counts only its local shard)."""
+    total = 0
+    for t in tensors:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        total += local.numel() * local.element_size()
+    return total
+
+
+def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Exact bytes of parameters, gradients and optimizer state held by this rank."""
+    params = list({id(p): p for p in model.parameters()}.values())
+    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    return {
+        "params": local_bytes(params),
+        "grads": local_bytes(p.grad for p in params if p.grad is not None),
+        "optimizer": local_bytes(v for v in state if v.ndim > 0),
+    }

@@ -25,6 +25,8 @@ from titanlite.errors import EXIT_USER_ERROR, UserError
 from titanlite.models.llama import FLAVORS, ModelArgs, model_args
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# Tells run_train.sh that preflight did all there was to do (a dry run): launch nothing.
+EXIT_NO_LAUNCH = 100
 MODEL_OVERRIDES = (
     "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim_multiplier", "multiple_of",
     "rope_theta", "norm_eps", "tie_embeddings",
@@ -40,8 +42,14 @@ def resolve_path(path: str) -> str:
     return str(candidate) if candidate.exists() else path
 
 
-def build_model_args(cfg: JobConfig, vocab_size: int) -> ModelArgs:
+def build_model_args(cfg: JobConfig, tokenizer_vocab: int) -> ModelArgs:
     m = cfg.model
+    vocab_size = m.vocab_size or tokenizer_vocab
+    if vocab_size < tokenizer_vocab:
+        raise ConfigError(
+            f"model.vocab_size {vocab_size} is smaller than the tokenizer's vocabulary "
+            f"({tokenizer_vocab})"
+        )
     if m.flavor not in FLAVORS:
         raise ConfigError(
             f"model.flavor: {m.flavor!r} is not a flavor; valid: {', '.join(FLAVORS)}"
@@ -53,13 +61,18 @@ def build_model_args(cfg: JobConfig, vocab_size: int) -> ModelArgs:
         raise ConfigError(f"model: {e}") from None
 
 
-def check(cfg: JobConfig, world_size: int) -> Tokenizer:
+def check(cfg: JobConfig, world_size: int) -> Tokenizer | None:
     """Raise a UserError for anything about this run that is wrong before it starts;
-    returns the (valid) tokenizer."""
+    returns the (valid) tokenizer, or None in a dry run given model.vocab_size and no
+    tokenizer file."""
     degrees = resolve_degrees(cfg, world_size)
     gradient_accumulation_steps(cfg, degrees)
-    tokenizer = Tokenizer(resolve_path(cfg.model.tokenizer_path))
-    args = build_model_args(cfg, tokenizer.vocab_size)
+    tokenizer_path = resolve_path(cfg.model.tokenizer_path)
+    if cfg.job.dry_run and cfg.model.vocab_size and not os.path.exists(tokenizer_path):
+        tokenizer = None  # a dry run needs only the vocabulary size
+    else:
+        tokenizer = Tokenizer(tokenizer_path)
+    args = build_model_args(cfg, tokenizer.vocab_size if tokenizer else cfg.model.vocab_size)
     tp = degrees.tp
     for key, value in (("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads)):
         if value % tp:
@@ -78,9 +91,18 @@ def check(cfg: JobConfig, world_size: int) -> Tokenizer:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """0: go ahead; 2: bad input; EXIT_NO_LAUNCH: a dry run was done, nothing to launch."""
     argv = sys.argv[1:] if argv is None else argv
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        check(load_config(argv), int(os.environ.get("WORLD_SIZE", "1")))
+        cfg = load_config(argv)
+        tokenizer = check(cfg, world_size)
+        if cfg.job.dry_run:
+            from titanlite.dry_run import dry_run
+
+            vocab = tokenizer.vocab_size if tokenizer else 0
+            sys.stdout.write(dry_run(cfg, world_size, vocab) + "\n")
+            return EXIT_NO_LAUNCH
     except UserError as e:
         sys.stderr.write(f"titanlite: error: {e}\n")
         return EXIT_USER_ERROR

@@ -42,6 +42,7 @@ from titanlite.metrics import (
     device_name,
     format_duration,
     memory_peak_gib,
+    model_state_bytes,
     peak_flops,
 )
 from titanlite.models.llama import Transformer, count_params, flops_per_token
@@ -115,6 +116,7 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
         self.step = 0
         self.tokens_seen = 0
+        self.model_state: dict[str, int] | None = None
 
         # 5. Outputs.
         self.dump_folder = Path(cfg.job.dump_folder)
@@ -155,7 +157,7 @@ class Trainer:
             "train_dtype": str(self.train_dtype).removeprefix("torch."),
             "peak_flops_per_device": self.peak_flops,
             "peak_flops_source": self.peak_source,
-            "vocab_size": self.tokenizer.vocab_size,
+            "vocab_size": self.model_args.vocab_size,
             "tokenizer": self.tokenizer.path.as_posix(),
             "model_args": asdict(self.model_args),
             "torch_version": torch.__version__,
@@ -231,6 +233,8 @@ class Trainer:
         self.last_lr = self.lr_scheduler.get_last_lr()[0]  # the rate this step uses
         self.optimizer.step()
         self.lr_scheduler.step()
+        if self.model_state is None:  # sizes are fixed after the first step creates them
+            self.model_state = model_state_bytes(self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         loss = distributed.all_reduce(loss_sum, dist.ReduceOp.SUM, dp_group) / n_tokens_int
         return loss, n_tokens_int, grad_norm
@@ -275,6 +279,8 @@ class Trainer:
             "tps": tps,
             "mfu_pct": mfu,
             "mem_peak_gib": memory_peak_gib(self.device),
+            # Exact local bytes of params + grads + optimizer state: FSDP's saving shows here.
+            "model_state_gib": sum(self.model_state.values()) / 2**30,
             "tokens_seen": self.tokens_seen,
             "data_wait_pct": 100 * data_s / seconds,
             "time": time.time(),

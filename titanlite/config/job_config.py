@@ -37,6 +37,8 @@ class Model:
     """Size preset: debugmodel, bench, 1B, 3B, 8B, 70B or 405B (see titanlite.models.llama)."""
     tokenizer_path: str = "titanlite/assets/tokenizer.model"
     """Sentencepiece .model file; the vocabulary size follows it."""
+    vocab_size: int | None = None
+    """Embedding rows (unset = the tokenizer's vocabulary size; if set, at least that). Lets a dry run go without a tokenizer file."""
     dim: int | None = None
     """Override the flavor's hidden size."""
     n_layers: int | None = None

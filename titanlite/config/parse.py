@@ -275,6 +275,11 @@ def validate(cfg: JobConfig) -> None:
         "validation.holdout_fraction",
         "must be > 0 when validation.enable is true",
     )
+    require(
+        cfg.model.vocab_size is None or cfg.model.vocab_size >= 1,
+        "model.vocab_size",
+        "must be at least 1 (or unset to follow the tokenizer)",
+    )
     p = cfg.parallelism
     require(
         p.data_parallel_replicate_degree >= 1,

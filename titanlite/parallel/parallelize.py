@@ -41,13 +41,14 @@ def parallelize(
     model: nn.Module,
     dims: ParallelDims,
     cfg: JobConfig,
-    materialize: Callable[[nn.Module], None],
+    materialize: Callable[[nn.Module], None] | None,
 ) -> nn.Module:
     """Apply the configured parallelisms to a model built on the meta device.
 
     `materialize` allocates and initializes the (by then sharded) parameters. It runs after
     the sharding steps, so no rank ever holds the whole model, and before DDP, which needs
-    real tensors to broadcast. Returns the module to call for training.
+    real tensors to broadcast. With None (a dry run) the model stays on the meta device and
+    DDP, which shards nothing, is left out. Returns the module to call for training.
     """
     d = dims.degrees
     if d.tp > 1:
@@ -60,6 +61,8 @@ def parallelize(
         apply_compile(model)
     if d.dp_shard > 1:
         apply_fsdp(model, dims, cfg)
+    if materialize is None:
+        return model
     materialize(model)
     if d.dp_shard == 1 and d.dp_replicate > 1:
         model = apply_ddp(model, dims, cfg.parallelism.ddp_bucket_cap_mb)

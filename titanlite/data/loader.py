@@ -1,0 +1,268 @@
+"""Packed, data-parallel, exactly resumable batches of token ids.
+
+One global stream, identical on every rank: documents (train split: file order shuffled per
+epoch) are tokenized as BOS ... EOS, concatenated, and cut into non-overlapping windows of
+seq_len + 1 tokens. Windows are consumed in chunks of local_batch_size * dp_world_size; rank r
+takes windows [r * B, (r + 1) * B) of each chunk. The global batch at step s is therefore the same
+set of sequences for any data-parallel degree, and the saved position (which is global) can be
+loaded under a different degree.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from titanlite.data.reader import Position, Prefetcher, Round, read_rounds
+from titanlite.data.sources import Documents, open_documents
+from titanlite.data.spec import SPLITS, DataSpec, Split
+from titanlite.data.tokenizer import Tokenizer
+from titanlite.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+"""Label of padded positions (only in the last batch of a validation pass)."""
+
+STATE_FORMAT = 1
+# Text read per round: enough for one global chunk (about 4 characters per token in English
+# BPE) and at least _MIN_READ_CHARS, so that several documents are encoded in parallel. The
+# tokens read but not yet used (about a round's worth) are part of the saved state.
+_CHARS_PER_TOKEN = 4
+_MIN_READ_CHARS = 1 << 18
+_PREFETCH_ROUNDS = 2
+_THROUGHPUT_LOG_EVERY_S = 300.0
+
+
+class PackedLoader:
+    """Iterable of ``(inputs, labels)`` LongTensors of shape ``[local_batch_size, seq_len]``.
+
+    Train split: iterating continues from the current position (``iter()`` does not rewind);
+    with ``spec.infinite`` it never ends. Validation split: every ``iter()`` starts a fresh,
+    finite pass from the beginning, so validation loss is comparable over time.
+    A background thread reads and tokenizes up to two rounds ahead (``prefetch=False``: none).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        spec: DataSpec,
+        dp_rank: int,
+        dp_world_size: int,
+        split: Split,
+        prefetch: bool = True,
+    ) -> None:
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        if dp_world_size < 1 or not 0 <= dp_rank < dp_world_size:
+            raise ValueError(f"need 0 <= dp_rank < dp_world_size, got {dp_rank}, {dp_world_size}")
+        if split == "validation" and spec.validation_fraction <= 0.0:
+            raise UserError(
+                "validation_fraction is 0, so there is no validation split; "
+                "set it to e.g. 0.05 or disable validation"
+            )
+        self.tokenizer = tokenizer
+        self.spec = spec
+        self.split = split
+        self.dp_rank = dp_rank
+        self.dp_world_size = dp_world_size
+        self.infinite = spec.infinite and split == "train"
+        self.prefetch = prefetch
+        self._documents: Documents = open_documents(spec)
+        pad = tokenizer.pad_id if tokenizer.pad_id >= 0 else max(tokenizer.eos_id, 0)
+        self._input_pad_id = pad
+        self._rounds: Iterator[Round] | None = None
+        # The running read-ahead thread, if any; closed when the loader is garbage collected,
+        # so no thread outlives its loader (the list, not self, is what the finalizer holds).
+        self._prefetchers: list[Prefetcher] = []
+        weakref.finalize(self, _close_all, self._prefetchers)
+        self._reset()
+
+    # -- position ----------------------------------------------------------------------------
+
+    def _reset(self) -> None:
+        self.close()
+        self._position = Position()  # of the document stream, after the last round applied
+        self._tokens = np.empty(0, dtype=np.int32)  # read, tokenized, not yet in a window
+        self._windows_consumed = 0  # global windows handed out (all ranks together)
+        self._tokens_read = 0
+        self._started = time.perf_counter()
+        self._last_log = self._started
+
+    def close(self) -> None:
+        """Stop the read-ahead thread (iterating again restarts it where the loader stands)."""
+        _close_all(self._prefetchers)
+        self._rounds = None
+
+    def _next_round(self) -> Round:
+        if self._rounds is None:
+            chunk_tokens = self.spec.local_batch_size * self.dp_world_size * (self.spec.seq_len + 1)
+            rounds = read_rounds(
+                self._documents,
+                self.tokenizer,
+                split=self.split,
+                validation_fraction=self.spec.validation_fraction,
+                seed=self.spec.seed,
+                infinite=self.infinite,
+                start=self._position,
+                chars_per_round=max(chunk_tokens * _CHARS_PER_TOKEN, _MIN_READ_CHARS),
+            )
+            if self.prefetch:
+                prefetcher = Prefetcher(rounds, depth=_PREFETCH_ROUNDS)
+                self._prefetchers.append(prefetcher)
+                self._rounds = prefetcher
+            else:
+                self._rounds = rounds
+        return next(self._rounds)
+
+    # -- iteration ---------------------------------------------------------------------------
+
+    def __iter__(self) -> PackedLoader:
+        if self.split == "validation":
+            self._reset()
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        window = self.spec.seq_len + 1
+        chunk = self.spec.local_batch_size * self.dp_world_size
+        needed = chunk * window
+        while self._tokens.size < needed and not self._position.exhausted:
+            round_ = self._next_round()
+            if round_.tokens.size:
+                self._tokens = np.concatenate([self._tokens, round_.tokens])
+                self._tokens_read += round_.tokens.size
+            self._position = round_.after
+        if self._tokens.size >= needed:
+            block = self._tokens[:needed].reshape(chunk, window)
+            self._tokens = self._tokens[needed:]
+            self._windows_consumed += chunk
+            first = self.dp_rank * self.spec.local_batch_size
+            mine = torch.from_numpy(block[first : first + self.spec.local_batch_size])
+            mine = mine.to(torch.int64)
+            self._maybe_log_throughput()
+            return mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
+        if self.split == "validation" and self._tokens.size >= 2:
+            return self._last_padded_batch(chunk, window)
+        if self._windows_consumed == 0 and self._tokens.size == 0:
+            raise UserError(
+                f"{self._documents.name}: the {self.split} split has no text "
+                f"(validation_fraction={self.spec.validation_fraction}); "
+                "check the data or the fraction"
+            )
+        # A finite train pass drops its last partial chunk so that every label is a real token
+        # and every rank stops after the same number of batches.
+        raise StopIteration
+
+    def _last_padded_batch(self, chunk: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rest of a validation pass as one global chunk: the partial last window and the
+        missing windows are padded (labels IGNORE_INDEX) so all ranks get a full batch."""
+        tokens = torch.from_numpy(self._tokens).to(torch.int64)
+        self._tokens = np.empty(0, dtype=np.int32)
+        inputs = torch.full((chunk, window - 1), self._input_pad_id, dtype=torch.int64)
+        labels = torch.full((chunk, window - 1), IGNORE_INDEX, dtype=torch.int64)
+        for row, start in enumerate(range(0, tokens.numel() - 1, window)):
+            piece = tokens[start : start + window]
+            inputs[row, : piece.numel() - 1] = piece[:-1]
+            labels[row, : piece.numel() - 1] = piece[1:]
+        self._windows_consumed += chunk
+        first = self.dp_rank * self.spec.local_batch_size
+        rows = slice(first, first + self.spec.local_batch_size)
+        return inputs[rows].clone(), labels[rows].clone()
+
+    def _maybe_log_throughput(self) -> None:
+        now = time.perf_counter()
+        if self._windows_consumed == self.spec.local_batch_size * self.dp_world_size:
+            logger.info("data: first %s batch after %.2f s", self.split, now - self._started)
+        elif now - self._last_log > _THROUGHPUT_LOG_EVERY_S:
+            logger.info(
+                "data: %s epoch %d, %d windows so far, %.0f tokens/s read",
+                self.split,
+                self._position.epoch,
+                self._windows_consumed,
+                self._tokens_read / (now - self._started),
+            )
+            self._last_log = now
+
+    # -- checkpointing -----------------------------------------------------------------------
+
+    def _identity(self) -> dict[str, Any]:
+        return {
+            "seq_len": self.spec.seq_len,
+            "source": self.spec.source_name,
+            "text_field": self.spec.text_field,
+            "split": self.split,
+            "validation_fraction": self.spec.validation_fraction,
+            "seed": self.spec.seed,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """The global stream position as plain Python values, identical on every rank.
+
+        Flat, with fixed keys (friendly to torch.distributed.checkpoint); the dataset's own
+        nested state is kept as a JSON string. Rounds read ahead but not yet used are not
+        part of it: they are read again after a resume.
+        """
+        position = self._position
+        return {
+            "format": STATE_FORMAT,
+            **self._identity(),
+            "tokenizer": self.tokenizer.fingerprint,
+            "epoch": position.epoch,
+            "epoch_documents": position.epoch_documents,
+            "windows_consumed": self._windows_consumed,
+            "exhausted": position.exhausted,
+            "dataset_state": json.dumps(position.dataset_state) if position.dataset_state else "",
+            "tokens": self._tokens.tolist(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue exactly where ``state`` was saved (any data-parallel degree)."""
+        if state.get("format") != STATE_FORMAT:
+            raise UserError(
+                f"data loader state has format {state.get('format')!r}, expected {STATE_FORMAT}; "
+                "it was saved by an incompatible titanlite version"
+            )
+        for key, value in self._identity().items():
+            if state.get(key) != value:
+                raise UserError(
+                    f"data loader state does not match this run: {key} was {state.get(key)!r} "
+                    f"when saved, now {value!r}; resume with the same {key} or start a new run"
+                )
+        if state.get("tokenizer") != self.tokenizer.fingerprint:
+            raise UserError(
+                f"data loader state was saved with a different tokenizer than "
+                f"{str(self.tokenizer.path)!r}; resume with the same tokenizer or start a new run"
+            )
+        self._reset()
+        self._position = Position(
+            epoch=int(state["epoch"]),
+            epoch_documents=int(state["epoch_documents"]),
+            dataset_state=json.loads(state["dataset_state"]) if state["dataset_state"] else None,
+            exhausted=bool(state["exhausted"]),
+        )
+        self._windows_consumed = int(state["windows_consumed"])
+        self._tokens = np.asarray(state["tokens"], dtype=np.int32)
+
+
+def _close_all(prefetchers: list[Prefetcher]) -> None:
+    while prefetchers:
+        prefetchers.pop().close()
+
+
+def build_dataloader(
+    tokenizer: Tokenizer,
+    spec: DataSpec,
+    dp_rank: int = 0,
+    dp_world_size: int = 1,
+    split: Split = "train",
+    prefetch: bool = True,
+) -> PackedLoader:
+    """The loader for ``split`` as seen by data-parallel rank ``dp_rank`` of ``dp_world_size``."""
+    return PackedLoader(tokenizer, spec, dp_rank, dp_world_size, split, prefetch)

@@ -1,0 +1,59 @@
+"""What data to train on: the one description every data-layer function receives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from titanlite.errors import UserError
+
+Split = Literal["train", "validation"]
+SPLITS: tuple[str, ...] = ("train", "validation")
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """Where the text comes from and how it is cut into batches."""
+
+    dataset: str = "sotu"
+    """ "sotu" (built-in corpus, US State of the Union addresses) or a Hugging Face Hub dataset
+    id, streamed. Ignored for reading when dataset_path is set."""
+    dataset_path: str = ""
+    """A local .txt/.jsonl/.json/.parquet file or a folder of them; overrides dataset."""
+    dataset_config: str = ""
+    """Hub configuration name (e.g. "sample-10BT"); "" for the dataset's default."""
+    text_field: str = "text"
+    """Column holding the document text in .jsonl/.json/.parquet files and hub datasets."""
+    seq_len: int = 512
+    """Tokens per training sequence; windows of seq_len + 1 tokens are cut from the stream."""
+    local_batch_size: int = 8
+    """Sequences per micro-batch on each data-parallel rank."""
+    seed: int = 0
+    """Seed of the per-epoch shuffle of file (shard) order in the train split."""
+    validation_fraction: float = 0.05
+    """Fraction of documents held out for validation (by a stable hash of each document)."""
+    infinite: bool = True
+    """Train split loops over epochs forever; False makes one pass. Validation is always one pass."""
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 1:
+            raise UserError(f"seq_len must be a positive integer, got {self.seq_len}")
+        if self.local_batch_size < 1:
+            raise UserError(
+                f"local_batch_size must be a positive integer, got {self.local_batch_size}"
+            )
+        if not 0.0 <= self.validation_fraction < 1.0:
+            raise UserError(
+                f"validation_fraction must be in [0, 1), got {self.validation_fraction}"
+            )
+        if not self.dataset and not self.dataset_path:
+            raise UserError('dataset is empty: set dataset ("sotu" or a hub id) or dataset_path')
+
+    @property
+    def source_name(self) -> str:
+        """How the data source is named in messages and in saved loader state."""
+        if self.dataset_path:
+            return f"dataset_path={self.dataset_path}"
+        if self.dataset_config:
+            return f"dataset={self.dataset}/{self.dataset_config}"
+        return f"dataset={self.dataset}"

@@ -1,0 +1,1 @@
+"""Parallelism for titanlite: data parallelism (own bucketed engine), tensor parallelism, FSDP."""

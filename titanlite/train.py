@@ -3,7 +3,8 @@
     python -m titanlite.train --job.config_file CONFIG.toml [--section.key value ...]
 
 Normally started by ./run_train.sh through torchrun; a plain single process works too.
-Exit status: 0 done, 2 bad input (one line on stderr), 3 the loss became non-finite.
+Exit status: 0 done, 2 bad input (one line on stderr), 3 the loss became non-finite,
+75 stopped by SIGTERM/SIGUSR1 after saving a checkpoint (run the same command to resume).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from dataclasses import asdict
@@ -25,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titanlite import distributed
+from titanlite.checkpoint import EXIT_PREEMPTED, Checkpointer, TrainState
 from titanlite.config import (
     JobConfig,
     global_batch_size,
@@ -58,6 +61,10 @@ EXIT_DIVERGED = 3
 
 class TrainingDiverged(RuntimeError):
     pass
+
+
+class Preempted(RuntimeError):
+    """Stopped on a signal after saving; the same command resumes."""
 
 
 def data_spec(cfg: JobConfig) -> DataSpec:
@@ -94,7 +101,6 @@ class Trainer:
         self.train_loader = build_dataloader(
             self.tokenizer, self.spec, self.dims.dp_rank, self.dims.dp_size, "train"
         )
-        self.train_iter = iter(self.train_loader)
 
         # 3. Model: meta device -> parallelize -> materialize and initialize.
         self.model_args = build_model_args(cfg, self.tokenizer.vocab_size)
@@ -114,8 +120,7 @@ class Trainer:
         # 4. Optimization.
         self.optimizer = build_optimizer(self.model, cfg, self.device)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
-        self.step = 0
-        self.tokens_seen = 0
+        self.state = TrainState()
         self.model_state: dict[str, int] | None = None
 
         # 5. Outputs.
@@ -132,6 +137,19 @@ class Trainer:
                 "config": {s: asdict(getattr(cfg, s)) for s in asdict(cfg)},
             }
         self.metrics = MetricsLogger(self.dump_folder, self.dist.is_main, wandb_settings)
+
+        # 6. Checkpoints: resume exactly where the latest complete one left off.
+        self.checkpointer = Checkpointer(
+            cfg, self.model, self.optimizer, self.lr_scheduler, self.train_loader, self.state,
+            self.model_args, self.dist.is_main,
+        )  # fmt: skip
+        if self.checkpointer.load():
+            self.metrics.log(
+                {"step": self.state.step, "kind": "resume", "time": time.time()},
+                f"resumed from checkpoint at step {self.state.step}",
+            )
+        self.train_iter = iter(self.train_loader)
+        self.preempt_signal: int | None = None
 
     def _materialize(self, model: nn.Module) -> None:
         model.to_empty(device=self.device)
@@ -176,32 +194,61 @@ class Trainer:
         total = cfg.training.steps
         start = time.perf_counter()
         window_start, window_tokens, window_data_s = start, 0, 0.0
-        first_step = self.step + 1
-        while self.step < total:
-            self.step += 1
+        first_step = self.state.step + 1
+        self._install_signal_handlers()
+        while self.state.step < total:
+            self.state.step += 1
             t0 = time.perf_counter()
             batches = [next(self.train_iter) for _ in range(self.accum_steps)]
             window_data_s += time.perf_counter() - t0
             loss, n_tokens, grad_norm = self.train_step(batches)
             window_tokens += sum(x.numel() for x, _ in batches)
-            self.tokens_seen += n_tokens
+            self.state.tokens_seen += n_tokens
 
             if (
-                self.step == first_step
-                or self.step % cfg.metrics.log_freq == 0
-                or self.step == total
+                self.state.step == first_step
+                or self.state.step % cfg.metrics.log_freq == 0
+                or self.state.step == total
             ):
                 now = time.perf_counter()
                 self._log_step(loss, grad_norm, now - window_start, window_tokens, window_data_s,
-                               eta=(now - start) / (self.step - first_step + 1) * (total - self.step))  # fmt: skip
+                               eta=(now - start) / (self.state.step - first_step + 1) * (total - self.state.step))  # fmt: skip
                 window_start, window_tokens, window_data_s = time.perf_counter(), 0, 0.0
             if cfg.validation.enable and (
-                self.step % cfg.validation.freq == 0 or self.step == total
+                self.state.step % cfg.validation.freq == 0 or self.state.step == total
             ):
                 self.validate()
+            if self._preemption_requested():
+                if cfg.checkpoint.enable:
+                    self.checkpointer.save(self.state.step, force_sync=True)
+                raise Preempted(
+                    f"stopped at step {self.state.step} on signal {self.preempt_signal}"
+                    + ("; checkpoint saved" if cfg.checkpoint.enable else "")
+                )
+            if self.checkpointer.should_save(self.state.step, last=self.state.step == total):
+                self.checkpointer.save(self.state.step, last=self.state.step == total)
+            self.checkpointer.poll()
         logger.info(
             "training finished: %d steps in %s", total, format_duration(time.perf_counter() - start)
         )
+
+    def _install_signal_handlers(self) -> None:
+        """SIGTERM/SIGUSR1 (cluster preemption, SLURM's warning signal) finish the current
+        step, save, and exit with EXIT_PREEMPTED."""
+
+        def request_stop(signum: int, frame: object) -> None:
+            self.preempt_signal = signum
+
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, request_stop)
+
+    def _preemption_requested(self) -> bool:
+        """Whether any rank got a stop signal: all ranks must stop at the same step."""
+        flag = torch.tensor(int(self.preempt_signal is not None))
+        stop = int(distributed.all_reduce(flag, dist.ReduceOp.MAX))
+        if stop and self.preempt_signal is None:
+            self.preempt_signal = -1  # another rank's signal
+        return bool(stop)
 
     def train_step(
         self, batches: list[tuple[torch.Tensor, torch.Tensor]]
@@ -266,13 +313,13 @@ class Trainer:
         loss_value = float(loss)
         if not torch.isfinite(loss).item() or not torch.isfinite(grad_norm).item():
             raise TrainingDiverged(
-                f"loss became non-finite at step {self.step} (loss {loss_value}, grad norm "
+                f"loss became non-finite at step {self.state.step} (loss {loss_value}, grad norm "
                 f"{float(grad_norm)}); try a lower optimizer.lr or a longer warmup"
             )
         tps = tokens / seconds
         mfu = 100 * tps * self.flops_per_token / self.peak_flops
         record = {
-            "step": self.step,
+            "step": self.state.step,
             "loss": loss_value,
             "grad_norm": float(grad_norm),
             "lr": self.last_lr,
@@ -281,13 +328,13 @@ class Trainer:
             "mem_peak_gib": memory_peak_gib(self.device),
             # Exact local bytes of params + grads + optimizer state: FSDP's saving shows here.
             "model_state_gib": sum(self.model_state.values()) / 2**30,
-            "tokens_seen": self.tokens_seen,
+            "tokens_seen": self.state.tokens_seen,
             "data_wait_pct": 100 * data_s / seconds,
             "time": time.time(),
         }
         total = self.cfg.training.steps
         console = (
-            f"step {self.step:>{len(str(total))}}/{total} | loss {loss_value:7.4f} | "
+            f"step {self.state.step:>{len(str(total))}}/{total} | loss {loss_value:7.4f} | "
             f"grad_norm {record['grad_norm']:6.3f} | lr {record['lr']:.2e} | "
             f"tps {tps:,.0f} | mfu {mfu:5.2f}% | mem {record['mem_peak_gib']:.2f}GiB | "
             f"eta {format_duration(eta)}"
@@ -331,15 +378,16 @@ class Trainer:
         val_loss = float(loss_sum / count)
         self.metrics.log(
             {
-                "step": self.step,
+                "step": self.state.step,
                 "kind": "validation",
                 "val_loss": val_loss,
                 "val_tokens": int(count),
             },
-            f"validation at step {self.step} | val_loss {val_loss:7.4f} | {int(count):,} tokens",
+            f"validation at step {self.state.step} | val_loss {val_loss:7.4f} | {int(count):,} tokens",
         )
 
     def close(self) -> None:
+        self.checkpointer.close()
         self.metrics.close()
 
 
@@ -384,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
         return report_error(str(e), EXIT_USER_ERROR)
     except TrainingDiverged as e:
         return report_error(str(e), EXIT_DIVERGED)
+    except Preempted as e:
+        logger.warning("%s; exiting with status %d so the job can be requeued", e, EXIT_PREEMPTED)
+        return EXIT_PREEMPTED
     finally:
         if trainer is not None:
             trainer.close()

@@ -150,6 +150,32 @@ class Compile:
 
 
 @dataclass
+class Checkpoint:
+    enable: bool = True
+    """Save checkpoints and resume from the latest complete one when the same command runs again."""
+    folder: str = "checkpoint"
+    """Checkpoint folder, under job.dump_folder; each save is a step-N folder inside it."""
+    interval: int = 500
+    """Save every this many steps (and always after the last step)."""
+    keep_latest_k: int = 3
+    """Keep this many complete checkpoints, deleting older ones only after a newer one is complete (0 = keep all)."""
+    load_step: int = -1
+    """Resume from this step's checkpoint (-1 = the latest complete one)."""
+    async_mode: Literal["disabled", "async"] = "disabled"
+    """async: write checkpoints in a background thread while training continues."""
+    initial_load_path: str = ""
+    """A checkpoint (step-N folder) to start from when this run has none of its own, e.g. a converted Hugging Face model."""
+    initial_load_model_only: bool = True
+    """From initial_load_path, load only the model weights (not optimizer, schedule, data position or step)."""
+    last_save_model_only: bool = False
+    """Make the final checkpoint weights only (smaller; for export, not for resuming)."""
+    export_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the weights in a model-only final checkpoint."""
+    exclude_from_loading: list[str] = field(default_factory=list)
+    """State not to restore on resume: any of model, optimizer, lr_scheduler, dataloader, train_state."""
+
+
+@dataclass
 class Metrics:
     log_freq: int = 10
     """Log every this many steps (the first step is always logged)."""
@@ -183,5 +209,6 @@ class JobConfig:
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)

@@ -295,6 +295,16 @@ def validate(cfg: JobConfig) -> None:
         p.tensor_parallel_degree >= 1, "parallelism.tensor_parallel_degree", "must be at least 1"
     )
     require(p.ddp_bucket_cap_mb > 0, "parallelism.ddp_bucket_cap_mb", "must be > 0")
+    c = cfg.checkpoint
+    require(c.interval >= 1, "checkpoint.interval", "must be at least 1")
+    require(c.keep_latest_k >= 0, "checkpoint.keep_latest_k", "must be >= 0 (0 keeps all)")
+    require(c.load_step == -1 or c.load_step >= 0, "checkpoint.load_step", "must be -1 or >= 0")
+    known_states = {"model", "optimizer", "lr_scheduler", "dataloader", "train_state"}
+    require(
+        set(c.exclude_from_loading) <= known_states,
+        "checkpoint.exclude_from_loading",
+        f"must name only {', '.join(sorted(known_states))}",
+    )
     ac = cfg.activation_checkpoint
     option = ac.selective_ac_option
     require(

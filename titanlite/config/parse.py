@@ -55,7 +55,7 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _field_types(cls: type) -> dict[str, Any]:
+def field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
@@ -154,7 +154,7 @@ def _lookup(key: str) -> tuple[str, str, Any]:
     secs = sections()
     if section not in secs or not name:
         raise _unknown("option", f"--{key}", [f"--{k}" for k in _all_keys()])
-    types_ = _field_types(secs[section])
+    types_ = field_types(secs[section])
     if name not in types_:
         raise _unknown("option", f"--{key}", [f"--{k}" for k in _all_keys()])
     return section, name, types_[name]
@@ -227,7 +227,7 @@ def apply_toml(cfg: JobConfig, data: dict[str, Any], source: str) -> None:
             raise _unknown(f"section in {source}:", f"[{section}]", [f"[{s}]" for s in secs])
         if not isinstance(table, dict):
             raise ConfigError(f"{source}: {section} must be a [section] table")
-        types_ = _field_types(secs[section])
+        types_ = field_types(secs[section])
         for name, value in table.items():
             if name not in types_:
                 raise _unknown(f"key in {source} [{section}]:", name, list(types_))
@@ -325,12 +325,12 @@ def to_toml(cfg: JobConfig) -> str:
             if value is None:
                 lines.append(f"# {f.name} = (unset)")
             else:
-                lines.append(f"{f.name} = {_toml_value(value)}")
+                lines.append(f"{f.name} = {toml_value(value)}")
         lines.append("")
     return "\n".join(lines)
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
@@ -339,7 +339,7 @@ def _toml_value(value: Any) -> str:
         # JSON's string escapes are all valid TOML; TOML also forbids a raw DEL.
         return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
     if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     raise TypeError(f"cannot write {value!r} as TOML")
 
 
@@ -352,11 +352,11 @@ def help_text() -> str:
     for section, cls in sections().items():
         lines.append(f"\n[{section}]")
         docs = field_docs(cls)
-        types_ = _field_types(cls)
+        types_ = field_types(cls)
         defaults = cls()
         for f in dataclasses.fields(cls):
             default = getattr(defaults, f.name)
-            shown = "unset" if default is None else _toml_value(default)
+            shown = "unset" if default is None else toml_value(default)
             lines.append(f"  --{section}.{f.name}  ({type_name(types_[f.name])}, default {shown})")
             lines.append(f"      {docs.get(f.name, '')}")
     return "\n".join(lines)

@@ -382,3 +382,13 @@ def test_a_few_optimizer_steps_reduce_the_loss() -> None:
     assert losses[0] == pytest.approx(math.log(97), rel=0.3)  # starts near uniform
     assert losses[-1] < 0.8 * losses[0]
     assert all(math.isfinite(v) for v in losses)
+
+
+def test_tied_embeddings_stay_tied_when_materialized_from_meta() -> None:
+    args = model_args("debugmodel", 512, 32, tie_embeddings=True)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.materialize("cpu", seed=0)
+    assert model.output.weight is model.tok_embeddings.weight
+    assert model.output.weight.device.type == "cpu"
+    assert count_params(model) == sum(p.numel() for p in model.parameters())

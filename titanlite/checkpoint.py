@@ -64,6 +64,7 @@ _ALLOWED_GLOBALS = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("pathlib", "PosixPath"),
     ("pathlib", "PurePosixPath"),
+    ("pathlib._local", "PosixPath"),  # where the class lives on Python 3.13+
     ("collections", "OrderedDict"),
 }
 

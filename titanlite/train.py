@@ -152,8 +152,7 @@ class Trainer:
         self.preempt_signal: int | None = None
 
     def _materialize(self, model: nn.Module) -> None:
-        model.to_empty(device=self.device)
-        model.init_weights(self.cfg.training.seed)
+        model.materialize(self.device, self.cfg.training.seed)
 
     def _write_run_files(self) -> None:
         self.dump_folder.mkdir(parents=True, exist_ok=True)

@@ -224,6 +224,18 @@ class Transformer(nn.Module):
             return 0.02 / math.sqrt(2 * args.n_layers)
         return 0.02
 
+    def materialize(self, device: torch.device | str, seed: int = 0) -> None:
+        """Allocate a meta-device (possibly sharded) model on `device` and initialize it."""
+        # Swapping tensors in place keeps shared (tied) parameters shared; the default
+        # conversion would give each module its own copy.
+        swap = torch.__future__.get_swap_module_params_on_conversion()
+        torch.__future__.set_swap_module_params_on_conversion(True)
+        try:
+            self.to_empty(device=device)
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(swap)
+        self.init_weights(seed)
+
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
         """Initialize every parameter from its own seeded generator (keyed by name).

@@ -82,6 +82,7 @@ def apply_tp(model: nn.Module, dims: ParallelDims, loss_parallel: bool) -> None:
     parallel the logits stay sharded and the cross-entropy is computed on the shards.
     """
     tp_mesh = dims.mesh["tp"]
+    tied = model.output.weight is model.tok_embeddings.weight
     parallelize_module(
         model,
         tp_mesh,
@@ -114,6 +115,10 @@ def apply_tp(model: nn.Module, dims: ParallelDims, loss_parallel: bool) -> None:
     }
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_plan)
+    if tied:
+        # Sharding replaced both weights; both are split along the vocabulary, so the
+        # embedding's shards serve the output projection too.
+        model.output.weight = model.tok_embeddings.weight
     logger.info(
         "applied tensor parallelism (degree %d) with sequence parallelism%s",
         dims.degrees.tp, " and loss parallelism" if loss_parallel else "",

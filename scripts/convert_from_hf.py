@@ -1,0 +1,58 @@
+"""Import a Hugging Face Llama folder as a titanlite checkpoint (model weights only).
+
+    python scripts/convert_from_hf.py hf/llama-folder outputs/init/step-0
+
+The result is a complete titanlite checkpoint folder (DCP "model" + titanlite.json with
+model_only=true), usable as ``checkpoint.initial_load_path`` or by scripts/generate.py.
+Reads config.json and model.safetensors (or a sharded index); the folder's tokenizer.model,
+if any, is copied in. Weights are stored in float32, as titanlite trains.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from titanlite.data.tokenizer import Tokenizer
+from titanlite.errors import EXIT_USER_ERROR, UserError
+from titanlite.hf import load_hf, save_model_checkpoint
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("hf_dir", type=Path, help="folder with config.json and *.safetensors")
+    parser.add_argument("out", type=Path, help="checkpoint folder to write (new or empty)")
+    parser.add_argument(
+        "--tokenizer", type=Path, help="sentencepiece model (default: HF_DIR/tokenizer.model)"
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    # Library warnings (e.g. a tied model saved untied) go to stderr; stdout is the result.
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        state, model_args = load_hf(args.hf_dir)
+        tokenizer = args.tokenizer
+        if tokenizer is None and (args.hf_dir / "tokenizer.model").is_file():
+            tokenizer = args.hf_dir / "tokenizer.model"
+        if tokenizer is not None and Tokenizer(tokenizer).vocab_size > model_args.vocab_size:
+            raise UserError(f"tokenizer {str(tokenizer)!r} has more tokens than the model")
+        state = {name: tensor.float() for name, tensor in state.items()}
+        save_model_checkpoint(
+            state, model_args, args.out, tokenizer=tokenizer, source=str(args.hf_dir.resolve())
+        )
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    note = "" if tokenizer else " (no tokenizer: pass --tokenizer to generate.py)"
+    print(f"wrote {args.out}: {model_args}{note}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Export a titanlite checkpoint as a Hugging Face Llama folder.
+
+    python scripts/convert_to_hf.py outputs/debug/checkpoint/step-100 hf/debug [--dtype bfloat16]
+
+Writes config.json, model.safetensors (or model-0000X-of-0000Y.safetensors + an index when
+larger than --max-shard-size) and the sentencepiece tokenizer, loadable with
+``transformers.LlamaForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained``. The
+folder is written atomically and only replaces an empty folder or an earlier export.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from titanlite.errors import EXIT_USER_ERROR, UserError
+from titanlite.hf import DTYPES, checkpoint_tokenizer, load_checkpoint_model, parse_size, save_hf
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", type=Path, help="titanlite checkpoint folder (step-N)")
+    parser.add_argument("out", type=Path, help="HF folder to write (new, empty or an export)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument(
+        "--max-shard-size", default="5GB", help="largest safetensors file (5GB; 500MB, 2GiB)"
+    )
+    parser.add_argument(
+        "--tokenizer", type=Path, help="sentencepiece model (default: the checkpoint's)"
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    # Library warnings (e.g. a tied model saved untied) go to stderr; stdout is the result.
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        max_shard_bytes = parse_size(args.max_shard_size)
+        model, model_args, meta = load_checkpoint_model(args.checkpoint)
+        tokenizer = checkpoint_tokenizer(meta, args.tokenizer, model_args.vocab_size)
+        source = {"source": str(args.checkpoint.resolve()), "step": meta.get("step")}
+        files = save_hf(
+            model.state_dict(),
+            model_args,
+            args.out,
+            tokenizer,
+            dtype=DTYPES[args.dtype],
+            max_shard_bytes=max_shard_bytes,
+            source=source,
+        )
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    print(f"wrote {args.out} ({args.dtype}, step {meta.get('step')}): {', '.join(files)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,63 +12,85 @@
 #   RDZV_ID        rendezvous id shared by all nodes of one job (default: none)
 #   MAX_RESTARTS   times torchrun restarts the group after a rank fails (default 0)
 #   OMP_NUM_THREADS  intra-op threads per rank (default: CPU cores / NGPU)
-# Exit status: 0 done, 2 bad input (one line on stderr), 3 loss became non-finite.
+# Exit status: 0 done, 2 bad input (one line on stderr), 3 loss became non-finite,
+# 75 stopped by SIGTERM/SIGUSR1 after saving a checkpoint (run the same command to resume).
 set -uo pipefail
-repo="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
-config="${CONFIG_FILE:-$repo/train_configs/debug_model.toml}"
-if [ $# -gt 0 ] && [[ "$1" != -* ]]; then
-  config="$1"; shift
-fi
+# The whole script is one function, read completely before it runs: editing this file
+# while a run is in flight cannot change what that run executes.
+main() {
+  repo="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
-py="$("$repo/scripts/setup_env.sh")" || exit $?
-
-for arg in "$@"; do
-  if [ "$arg" = "--help" ] || [ "$arg" = "-h" ]; then
-    exec "$py" -m titanlite.train --help
+  config="${CONFIG_FILE:-$repo/train_configs/debug_model.toml}"
+  if [ $# -gt 0 ] && [[ "$1" != -* ]]; then
+    config="$1"; shift
   fi
-done
 
-if [ -z "${NGPU:-}" ]; then
-  NGPU=1
-  if command -v nvidia-smi >/dev/null 2>&1; then
-    gpus="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)"
-    [ "${gpus:-0}" -gt 0 ] && NGPU="$gpus"
+  py="$("$repo/scripts/setup_env.sh")" || exit $?
+
+  for arg in "$@"; do
+    if [ "$arg" = "--help" ] || [ "$arg" = "-h" ]; then
+      exec "$py" -m titanlite.train --help
+    fi
+  done
+
+  if [ -z "${NGPU:-}" ]; then
+    NGPU=1
+    if command -v nvidia-smi >/dev/null 2>&1; then
+      gpus="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)"
+      [ "${gpus:-0}" -gt 0 ] && NGPU="$gpus"
+    fi
   fi
-fi
-NNODES="${NNODES:-1}"
-LOG_RANK="${LOG_RANK:-0}"
-if [ -z "${OMP_NUM_THREADS:-}" ]; then
-  # Split the cores between the ranks of this node instead of oversubscribing them.
-  cores="$(nproc 2>/dev/null || echo 1)"
-  threads=$(( cores / NGPU )); [ "$threads" -ge 1 ] || threads=1
-  export OMP_NUM_THREADS="$threads"
-fi
+  NNODES="${NNODES:-1}"
+  # Multi-node (docs/multinode.md): every node must name the same rendezvous address; the
+  # default localhost:0 (a free local port) would leave each node waiting for the others forever.
+  if [ "$NNODES" != 1 ] && [ -z "${RDZV_ENDPOINT:-}" ]; then
+    echo "run_train: NNODES=$NNODES needs RDZV_ENDPOINT=HOST:PORT, the same on every node" >&2
+    exit 2
+  fi
+  LOG_RANK="${LOG_RANK:-0}"
+  if [ -z "${OMP_NUM_THREADS:-}" ]; then
+    # Split the cores between the ranks of this node instead of oversubscribing them.
+    cores="$(nproc 2>/dev/null || echo 1)"
+    threads=$(( cores / NGPU )); [ "$threads" -ge 1 ] || threads=1
+    export OMP_NUM_THREADS="$threads"
+  fi
 
-# Config, layout and input files are checked once, before any process starts. Status 100
-# means preflight did a dry run (--job.dry_run) and there is nothing to launch.
-WORLD_SIZE=$(( NGPU * NNODES )) "$py" -m titanlite.preflight --job.config_file "$config" "$@"
-status=$?
-[ "$status" -eq 100 ] && exit 0
-[ "$status" -eq 0 ] || exit "$status"
+  # Config, layout and input files are checked once, before any process starts. Status 100
+  # means preflight did a dry run (--job.dry_run) and there is nothing to launch.
+  WORLD_SIZE=$(( NGPU * NNODES )) "$py" -m titanlite.preflight --job.config_file "$config" "$@"
+  status=$?
+  [ "$status" -eq 100 ] && exit 0
+  [ "$status" -eq 0 ] || exit "$status"
 
-errors="$(mktemp -t titanlite-errors.XXXXXX)"
-trap 'rm -f "$errors"' EXIT
-export TITANLITE_ERROR_FILE="$errors"
+  errors="$(mktemp -t titanlite-errors.XXXXXX)"
+  trap 'rm -f "$errors"' EXIT
+  export TITANLITE_ERROR_FILE="$errors"
 
-rdzv_args=(--rdzv_backend c10d --rdzv_endpoint "${RDZV_ENDPOINT:-localhost:0}")
-[ -n "${RDZV_ID:-}" ] && rdzv_args+=(--rdzv_id "$RDZV_ID")
+  rdzv_args=(--rdzv_backend c10d --rdzv_endpoint "${RDZV_ENDPOINT:-localhost:0}")
+  # With restarts, give each attempt a fresh store: torchrun otherwise shares its rendezvous
+  # store with the trainers, and keys of the failed attempt survive into the next, so a
+  # restarted rank can read a dead peer's address and fail ("Gloo connectFullMesh failed ...
+  # Connection refused"; seen across nodes; pytorch/pytorch#135712).
+  if [ "${MAX_RESTARTS:-0}" != 0 ]; then
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
+  fi
+  [ -n "${RDZV_ID:-}" ] && rdzv_args+=(--rdzv_id "$RDZV_ID")
 
-"$py" -m torch.distributed.run --nnodes="$NNODES" --nproc_per_node="$NGPU" "${rdzv_args[@]}" \
-  --max-restarts="${MAX_RESTARTS:-0}" --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
-  -m titanlite.train --job.config_file "$config" "$@"
-status=$?
+  "$py" -m torch.distributed.run --nnodes="$NNODES" --nproc_per_node="$NGPU" "${rdzv_args[@]}" \
+    --max-restarts="${MAX_RESTARTS:-0}" --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
+    -m titanlite.train --job.config_file "$config" "$@"
+  status=$?
 
-# A rank that stopped on bad input or divergence wrote "STATUS<TAB>message": repeat it last,
-# after torchrun's own report, and exit with that status.
-if [ "$status" -ne 0 ] && [ -s "$errors" ]; then
-  IFS=$'\t' read -r code message <"$errors"
-  echo "$message" >&2
-  exit "$code"
-fi
-exit "$status"
+  # A rank that stopped on bad input or divergence wrote "STATUS<TAB>message": repeat it last,
+  # after torchrun's own report, and exit with that status.
+  if [ "$status" -ne 0 ] && [ -s "$errors" ]; then
+    IFS=$'\t' read -r code message <"$errors"
+    echo "$message" >&2
+    exit "$code"
+  fi
+  exit "$status"
+}
+
+main "$@"
+exit $?

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -35,15 +36,25 @@ def subprocess_env(tmp_path: Path, **extra: str) -> dict[str, str]:
 def run_train(
     tmp_path: Path, *args: str, ngpu: int = 1, timeout: float = 600, **env: str
 ) -> subprocess.CompletedProcess[str]:
-    """./run_train.sh ARGS with NGPU processes; output captured."""
-    return subprocess.run(
-        [str(REPO / "run_train.sh"), *args],
+    """./run_train.sh ARGS with NGPU processes; output captured. On a timeout the whole
+    process group (torchrun and its ranks) is killed, not just the shell."""
+    cmd = [str(REPO / "run_train.sh"), *args]
+    proc = subprocess.Popen(
+        cmd,
         cwd=REPO,
         env=subprocess_env(tmp_path, NGPU=str(ngpu), **env),
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
+        start_new_session=True,
     )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def read_metrics(folder: Path) -> tuple[list[dict], list[dict]]:

@@ -176,14 +176,23 @@ def test_layout_matches_one_process(
     assert_parity(layout.name, baseline, run.curves)
 
 
+@pytest.mark.parametrize(
+    "layout", [Layout(), Layout(replicate=2), Layout(shard=2)], ids=["1proc", "ddp2", "fsdp2"]
+)
 def test_gradient_accumulation_matches_one_batch(
-    baseline: Curves, tmp_path_factory: pytest.TempPathFactory
+    layout: Layout, baseline: Curves, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """Two micro-batches of 4 make the same step as one batch of 8."""
-    name = "accumulation 2 x 4"
+    """Two micro-batches per rank (global batch = 2 x local x dp) make the same step as one
+    batch of 8: no_sync (DDP) and deferred reduce-scatter (FSDP) skip the first one's
+    communication without changing the sum."""
+    name = f"accumulation 2 x micro-batches, {layout.name}"
+    dp = layout.replicate * layout.shard
+    local = GLOBAL_BATCH // (2 * dp)
     run = train(
-        tmp_path_factory, name,
-        "--training.local_batch_size", "4", "--training.global_batch_size", str(GLOBAL_BATCH),
+        tmp_path_factory, name, *layout.args(),
+        "--training.local_batch_size", str(local),
+        "--training.global_batch_size", str(GLOBAL_BATCH),
+        ngpu=layout.ngpu,
     )  # fmt: skip
     assert run.info["gradient_accumulation_steps"] == 2
     assert_parity(name, baseline, run.curves)

@@ -8,12 +8,11 @@ and averages its gradients over that group during backward:
    parameters into flat *buckets* (reverse registration order, grouped by dtype and device,
    a small first bucket, then ``bucket_cap_mb``). With ``gradient_as_bucket_view`` each
    ``param.grad`` is a view into its bucket, so bucketing costs no extra memory.
-2. A post-accumulate-grad hook on every parameter marks it ready (copying the gradient into
-   its slot only if ``.grad`` is not already the slot). A bucket whose parameters are all ready
-   is divided by the group size once (before the sum, which keeps low-precision sums in range)
-   and all-reduced asynchronously as soon as every lower-index bucket has been launched, so
-   communication overlaps the rest of backward and every rank issues the same collectives in
-   the same order.
+2. A post-accumulate-grad hook on every parameter marks it ready and divides its gradient by
+   the group size (in place if ``.grad`` is already its bucket slot, else fused with the copy
+   into the slot). A bucket whose parameters are all ready is all-reduced asynchronously as
+   soon as every lower-index bucket has been launched, so communication overlaps the rest of
+   backward and every rank issues the same collectives in the same order.
 3. A callback queued on the autograd engine runs when backward ends: it waits for the
    reductions and makes sure every used parameter's ``.grad`` holds the average.
 4. After the first synchronised iteration the buckets are rebuilt once, in the order in which
@@ -135,6 +134,7 @@ class BucketedDDP(nn.Module):
         # dist.all_reduce, which matters on the per-bucket hot path.
         self._group = process_group if process_group is not None else dist.group.WORLD
         self._is_dtensor = [isinstance(p, DTensor) for p in params]
+        self._divisor = self.world_size  # gradients are pre-divided as they are marked ready
         self._require_sync = True
         # State of the synchronised iteration in flight (None between iterations). A plain
         # object, not module attributes: nn.Module.__setattr__ is slow on the hot path.
@@ -214,6 +214,7 @@ class BucketedDDP(nn.Module):
             raise RuntimeError("register_comm_hook must not be called between forward and backward")
         self._comm_hook = hook
         self._comm_hook_state = state
+        self._divisor = 1  # a hook receives local sums and does its own averaging
 
     def last_iteration_stats(self) -> IterationStats | None:
         """Launch and completion times of each bucket in the last synchronised iteration."""
@@ -360,11 +361,24 @@ class BucketedDDP(nn.Module):
             slot.zero_()
             it.fixups.append(index)
         else:
+            # Dividing here, fused with the copy when there is one, saves a separate pass
+            # over the bucket; dividing before the sum keeps low-precision sums in range.
+            divisor = self._divisor
+            if self._is_dtensor[index] and grad.placements != param.placements:
+                # TP can produce a gradient laid out unlike its parameter (the vocab-parallel
+                # embedding's comes back Replicate); take this rank's shard of it.
+                grad = grad.redistribute(param.device_mesh, param.placements)
             local = grad.to_local() if self._is_dtensor[index] else grad
-            if local.data_ptr() != slot.data_ptr():
+            if local.data_ptr() == slot.data_ptr():
+                if divisor != 1:
+                    slot.div_(divisor)
+            else:
                 # A fresh gradient (after zero_grad(set_to_none=True)) or a separate one
                 # (gradient_as_bucket_view=False): copy it in, and re-point .grad at the view.
-                slot.copy_(local)
+                if divisor != 1:
+                    torch.div(local, divisor, out=slot)
+                else:
+                    slot.copy_(local)
                 if self.gradient_as_bucket_view:
                     param.grad = self._wrap_like_param(index, slot)
                 else:
@@ -382,9 +396,6 @@ class BucketedDDP(nn.Module):
         bucket = self._buckets[bucket_index]
         it.stats.bucket_launch_s[bucket_index] = time.perf_counter()
         if self._comm_hook is None:
-            # Divide once per bucket, before the sum (keeps low-precision sums in range).
-            if self.world_size > 1:
-                bucket.buffer.div_(self.world_size)
             future = self._group.allreduce([bucket.buffer]).get_future()
         else:
             view = GradBucket(
@@ -395,10 +406,13 @@ class BucketedDDP(nn.Module):
                 world_size=self.world_size,
             )
             future = self._comm_hook(self._comm_hook_state, view)
-        future.add_done_callback(
-            functools.partial(_record_done, it.stats.bucket_done_s, bucket_index)
-        )
         it.futures[bucket_index] = future
+        # Note completions by polling rather than with future callbacks: a Python callback
+        # would make the communication thread wait for the GIL before its next collective.
+        done = it.stats.bucket_done_s
+        while it.next_to_check < bucket_index and it.futures[it.next_to_check].done():
+            done[it.next_to_check] = time.perf_counter()
+            it.next_to_check += 1
 
     @torch.no_grad()
     def _finish_backward(self) -> None:
@@ -415,8 +429,8 @@ class BucketedDDP(nn.Module):
         for index, (bucket, future) in enumerate(zip(self._buckets, it.futures, strict=True)):
             assert future is not None
             result = future.wait()
-            # Completion callbacks may run a moment after wait() returns, on another thread.
-            _record_done(stats.bucket_done_s, index, future)
+            if stats.bucket_done_s[index] is None:
+                stats.bucket_done_s[index] = time.perf_counter()
             if isinstance(result, list):
                 result = result[0]
             if result is not bucket.buffer and result.data_ptr() != bucket.buffer.data_ptr():
@@ -468,6 +482,7 @@ class _Iteration:
         "ready",
         "pending",
         "next_to_launch",
+        "next_to_check",
         "futures",
         "fixups",
         "callback_queued",
@@ -480,6 +495,7 @@ class _Iteration:
         self.ready = [False] * num_params
         self.pending = bucket_sizes
         self.next_to_launch = 0
+        self.next_to_check = 0
         self.futures: list[torch.futures.Future | None] = [None] * len(bucket_sizes)
         self.fixups: list[int] = []
         self.callback_queued = False
@@ -499,8 +515,3 @@ def _grad_hook(engine_ref: weakref.ref, index: int, param: torch.Tensor) -> None
     engine = engine_ref()
     if engine is not None:
         engine._on_grad_ready(index)
-
-
-def _record_done(times: list[float | None], index: int, _future: torch.futures.Future) -> None:
-    if times[index] is None:
-        times[index] = time.perf_counter()

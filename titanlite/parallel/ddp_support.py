@@ -67,8 +67,9 @@ def assign_buckets(
 class IterationStats:
     """Timestamps (``time.perf_counter()`` seconds) of one synchronised iteration.
 
-    On NCCL the times are host-side: ``bucket_done_s`` is when the collective's future
-    completed from the CPU's point of view.
+    ``bucket_done_s`` is when the engine first saw the bucket's reduction complete (it checks
+    at each later launch and while waiting at the end of backward), so it is an upper bound on
+    the true completion time. On NCCL all times are host-side.
     """
 
     bucket_bytes: list[int]

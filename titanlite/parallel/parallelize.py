@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import (
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from titanlite.config import JobConfig
+from titanlite.parallel.ddp import BucketedDDP
 from titanlite.parallel.dims import ParallelDims
 
 logger = logging.getLogger(__name__)
@@ -190,9 +191,7 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> None:
 
 def apply_ddp(model: nn.Module, dims: ParallelDims, bucket_cap_mb: float) -> nn.Module:
     """titanlite's bucketed, overlapped DDP over the dp_replicate group."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    wrapped = DistributedDataParallel(
+    wrapped = BucketedDDP(
         model, process_group=dims.group("dp_replicate"), bucket_cap_mb=bucket_cap_mb
     )
     logger.info("applied data parallelism over dp_replicate (bucket cap %.1f MB)", bucket_cap_mb)

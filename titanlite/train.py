@@ -407,6 +407,12 @@ def report_error(message: str, status: int) -> int:
     can repeat it after torchrun's report and exit with the same status."""
     line = f"titanlite: error: {message}".replace("\n", " ")
     sys.stderr.write(line + "\n")
+    return record_status(line, status)
+
+
+def record_status(line: str, status: int) -> int:
+    """Append "STATUS<TAB>line" to TITANLITE_ERROR_FILE: torchrun only says that a rank failed,
+    so this is how ./run_train.sh (and through it a SLURM job) learns the trainer's status."""
     path = os.environ.get("TITANLITE_ERROR_FILE")
     if path:
         with contextlib.suppress(OSError), open(path, "a") as f:
@@ -433,11 +439,16 @@ def main(argv: list[str] | None = None) -> int:
         return report_error(str(e), EXIT_DIVERGED)
     except Preempted as e:
         logger.warning("%s; exiting with status %d so the job can be requeued", e, EXIT_PREEMPTED)
-        return EXIT_PREEMPTED
+        # Not an error, but the launcher must see 75 (torchrun itself exits 1).
+        return record_status(f"titanlite: {e}; run the same command to resume", EXIT_PREEMPTED)
     finally:
         if trainer is not None:
             trainer.close()
         distributed.shutdown()
+        # Done (or failed): SIGTERM means "exit now" again, as torchrun means it when it stops
+        # the other ranks after a failure; the save-and-stop handler would only make it wait
+        # for its SIGKILL (about 30 s).
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 if __name__ == "__main__":

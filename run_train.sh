@@ -79,7 +79,13 @@ main() {
 
   "$py" -m torch.distributed.run --nnodes="$NNODES" --nproc_per_node="$NGPU" "${rdzv_args[@]}" \
     --max-restarts="${MAX_RESTARTS:-0}" --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
-    -m titanlite.train --job.config_file "$config" "$@"
+    -m titanlite.train --job.config_file "$config" "$@" &
+  local launcher=$!
+  # Preemption (SLURM signals every process of the step, or only this script with
+  # --signal=B:USR1): torchrun passes SIGTERM on to every rank, which saves and exits 75.
+  trap 'kill -TERM "$launcher" 2>/dev/null' TERM USR1
+  while kill -0 "$launcher" 2>/dev/null; do wait "$launcher"; done
+  wait "$launcher"
   status=$?
 
   # A rank that stopped on bad input or divergence wrote "STATUS<TAB>message": repeat it last,

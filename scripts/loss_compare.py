@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from titanlite.metrics import relative_difference
 
 EXIT_OK, EXIT_DIFFERENT, EXIT_BAD_INPUT = 0, 1, 2
 DEFAULT_RTOL = 1e-4
@@ -96,15 +97,6 @@ def parse_record(line: str, path: Path, number: int) -> dict:
     if not isinstance(record, dict) or not isinstance(record.get("step"), int):
         raise InputError(f"{path}:{number}: not a metrics record (needs an integer 'step')")
     return record
-
-
-def relative_difference(a: float, b: float) -> float:
-    """|a - b| relative to the larger magnitude; 0 when both are 0, inf when one is non-finite."""
-    if a == b:
-        return 0.0
-    if not (math.isfinite(a) and math.isfinite(b)):
-        return math.inf
-    return abs(a - b) / max(abs(a), abs(b))
 
 
 def common_steps(a: Run, b: Run) -> tuple[list[int], list[str]]:

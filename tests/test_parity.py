@@ -15,13 +15,14 @@ prints them with a step-by-step table. docs/parity.md shows a recent table.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from conftest import read_metrics, run_train
+
+from titanlite.metrics import relative_difference
 
 pytestmark = pytest.mark.slow
 
@@ -107,14 +108,6 @@ def train(tmp_path_factory: pytest.TempPathFactory, name: str, *args: str, ngpu:
     curves = {m: [float(r[m]) for r in records] for m in METRICS}
     info = json.loads((out / "run.json").read_text())
     return Run(curves, info, result.stdout + result.stderr)
-
-
-def relative_difference(a: float, b: float) -> float:
-    if a == b:
-        return 0.0
-    if not (math.isfinite(a) and math.isfinite(b)):
-        return math.inf
-    return abs(a - b) / max(abs(a), abs(b))
 
 
 def max_relative_differences(name: str, base: Curves, other: Curves) -> dict[str, float]:

@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -88,6 +89,13 @@ class SafeFileSystemReader(FileSystemReader):
         path = Path(self.path) / ".metadata"
         with open(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
+        # DCP torch.load(weights_only=False)s the data of "bytes" entries; titanlite saves
+        # only tensors, so any such entry is a crafted checkpoint.
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+        for fqn, md in metadata.state_dict_metadata.items():
+            if isinstance(md, BytesStorageMetadata):
+                raise pickle.UnpicklingError(f"refusing to load pickled object {fqn!r}")
         if getattr(metadata, "storage_meta", None) is None:
             from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -129,9 +137,10 @@ def read_sidecar(path: Path) -> dict[str, Any]:
         meta = json.loads((path / SIDECAR).read_text())
     except (OSError, ValueError) as e:
         raise UserError(f"checkpoint folder {str(path)!r}: {SIDECAR} is unreadable ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+    found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+    if found != FORMAT:
         raise UserError(
-            f"checkpoint folder {str(path)!r}: unknown format {meta.get('format')!r} "
+            f"checkpoint folder {str(path)!r}: unknown format {found!r} "
             f"(this titanlite reads format {FORMAT})"
         )
     return meta
@@ -195,7 +204,12 @@ class Checkpointer:
         return False
 
     def _resume_path(self) -> Path | None:
-        found = complete_checkpoints(self.folder)
+        # A model-only export has no training state to continue from.
+        found = [
+            (step, path)
+            for step, path in complete_checkpoints(self.folder)
+            if not read_sidecar(path).get("model_only", False)
+        ]
         if self.cfg.load_step >= 0:
             for step, path in found:
                 if step == self.cfg.load_step:
@@ -217,35 +231,56 @@ class Checkpointer:
         if "model" not in exclude:
             tensors["model"] = get_model_state_dict(self.model)
         if load_optimizer:
-            tensors["optimizer"] = {
-                "state": get_optimizer_state_dict(self.model, self.optimizer)["state"]
-            }
+            # Hyper-parameters (param_groups) come from this run's config, not the checkpoint,
+            # so a resume with another --optimizer.lr or weight decay takes effect.
+            current = get_optimizer_state_dict(self.model, self.optimizer)
+            tensors["optimizer"] = {"state": current["state"]}
+        reader = SafeFileSystemReader(str(path))
         try:
-            dcp.load(tensors, storage_reader=SafeFileSystemReader(str(path)))
-        except Exception as e:  # DCP wraps every reader failure; the cause is what helps
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UserError(f"checkpoint folder {str(path)!r} is unreadable: {first}") from None
+            reader.read_metadata()  # refuse a bad .metadata here: DCP would log a traceback
+            dcp.load(tensors, storage_reader=reader)
+        except (Exception, CheckpointException) as e:  # a BaseException; the cause helps
+            raise UserError(f"checkpoint folder {str(path)!r} is unreadable: {_cause(e)}") from None
         if "model" in tensors:
             set_model_state_dict(self.model, tensors["model"])
         if load_optimizer:
             set_optimizer_state_dict(
                 self.model,
                 self.optimizer,
-                {
-                    "state": tensors["optimizer"]["state"],
-                    "param_groups": meta["optimizer_param_groups"],
-                },
+                {"state": tensors["optimizer"]["state"], "param_groups": current["param_groups"]},
             )
         if model_only:
             return
+        try:
+            self._load_plain_state(meta, exclude)
+        except UserError as e:
+            raise UserError(f"checkpoint folder {str(path)!r}: {e}") from None
+
+    def _load_plain_state(self, meta: dict[str, Any], exclude: set[str]) -> None:
         if "lr_scheduler" not in exclude:
-            self.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+            self._load_lr_scheduler(meta["lr_scheduler"])
         if "dataloader" not in exclude:
             self.dataloader.load_state_dict(meta["dataloader"])
         if "train_state" not in exclude:
             self.train_state.step = int(meta["train_state"]["step"])
             self.train_state.tokens_seen = int(meta["train_state"]["tokens_seen"])
         torch.set_rng_state(torch.tensor(meta["rng"], dtype=torch.uint8))
+
+    def _load_lr_scheduler(self, state: dict[str, Any]) -> None:
+        """The schedule's position from the checkpoint; its peak LR from this run's config.
+
+        torch's scheduler state also restores the old base LRs; keeping the configured ones
+        makes `--optimizer.lr` on a resume take effect (and changes nothing when unchanged).
+        """
+        base_lrs = list(self.lr_scheduler.base_lrs)
+        self.lr_scheduler.load_state_dict(state)
+        self.lr_scheduler.base_lrs = base_lrs
+        epoch = self.lr_scheduler.last_epoch
+        for group, base, factor in zip(
+            self.optimizer.param_groups, base_lrs, self.lr_scheduler.lr_lambdas, strict=True
+        ):
+            group["lr"] = base * factor(epoch)
+        self.lr_scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
 
     def _check_model(self, path: Path, meta: dict[str, Any]) -> None:
         """A checkpoint of another model shape is refused by name, before DCP sees it."""
@@ -268,8 +303,6 @@ class Checkpointer:
         """Save this step (collective: every rank calls it)."""
         self.wait()  # one save in flight at a time; finishes the previous one
         final = self.folder / f"step-{step}"
-        if final.exists():
-            return  # e.g. the last step of a run resumed from its final checkpoint
         partial = self.folder / f"step-{step}.partial"
         if self.is_main:
             if partial.exists():
@@ -309,7 +342,14 @@ class Checkpointer:
         metadata are written by then."""
         if self.is_main:
             _write_json(partial / SIDECAR, sidecar)
-            os.replace(partial, final)
+            if final.exists():  # an abandoned run's step-N (after a load_step rewind)
+                stale = final.with_name(final.name + ".stale")
+                shutil.rmtree(stale, ignore_errors=True)
+                os.replace(final, stale)
+                os.replace(partial, final)
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                os.replace(partial, final)
             _fsync_dir(final.parent)
             self._apply_retention()
             logger.info("checkpoint: saved %s in %.2f s", final, time.perf_counter() - start)
@@ -334,7 +374,6 @@ class Checkpointer:
             train_state=dataclasses.asdict(self.train_state),
             lr_scheduler=self.lr_scheduler.state_dict(),
             dataloader=self.dataloader.state_dict(),
-            optimizer_param_groups=optim_sd["param_groups"],
             rng=torch.get_rng_state().tolist(),
         )
         return {"model": model_sd, "optimizer": {"state": optim_sd["state"]}}, sidecar
@@ -366,6 +405,14 @@ def _init_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) ->
     optimizer.zero_grad(set_to_none=True)
     for group, lr in zip(optimizer.param_groups, saved_lrs, strict=True):
         group["lr"] = lr
+
+
+def _cause(e: BaseException) -> str:
+    """First line of the error behind a DCP failure (CheckpointException holds one per rank)."""
+    if isinstance(e, CheckpointException) and e.failures:
+        e = next(iter(e.failures.values()))[0]
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

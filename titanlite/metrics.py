@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import resource
 import sys
@@ -207,3 +208,13 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
         "grads": local_bytes(p.grad for p in params if p.grad is not None),
         "optimizer": local_bytes(v for v in state if v.ndim > 0),
     }
+
+
+def relative_difference(a: float, b: float) -> float:
+    """|a - b| relative to the larger magnitude; 0 when equal, inf when one is non-finite.
+    How runs are compared for parity (scripts/loss_compare.py, tests)."""
+    if a == b:
+        return 0.0
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return math.inf
+    return abs(a - b) / max(abs(a), abs(b))

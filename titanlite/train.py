@@ -85,6 +85,10 @@ class Trainer:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
         t = cfg.training
+        # From the start: a preemption signal during a long start-up (model build, loading a
+        # checkpoint) must not kill the process before it can exit with EXIT_PREEMPTED.
+        self.preempt_signal: int | None = None
+        self._install_signal_handlers()
         # 1. Processes, devices and the layout.
         self.tokenizer = check(cfg, distributed.env_info()[1])
         self.dist = distributed.init(t.seed)
@@ -149,7 +153,6 @@ class Trainer:
                 f"resumed from checkpoint at step {self.state.step}",
             )
         self.train_iter = iter(self.train_loader)
-        self.preempt_signal: int | None = None
 
     def _materialize(self, model: nn.Module) -> None:
         model.materialize(self.device, self.cfg.training.seed)
@@ -194,7 +197,6 @@ class Trainer:
         start = time.perf_counter()
         window_start, window_tokens, window_data_s = start, 0, 0.0
         first_step = self.state.step + 1
-        self._install_signal_handlers()
         while self.state.step < total:
             self.state.step += 1
             t0 = time.perf_counter()

@@ -1,0 +1,572 @@
+"""Checkpoints with real processes: exact resume after kills, signals and layout changes,
+retention, async saves, model-only export, and refusal of bad checkpoints.
+
+One uninterrupted run per module is the baseline; every other run is compared with it by
+the LAST metrics record per step (metrics.jsonl is append-only, so a resumed run repeats
+the steps after its checkpoint).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import REPO, run_train, subprocess_env
+
+from titanlite.checkpoint import EXIT_PREEMPTED, read_sidecar
+from titanlite.errors import UserError
+
+pytestmark = pytest.mark.slow
+
+CONFIG = "train_configs/debug_model.toml"
+STEPS = 12
+# Global batch 4 x 64 tokens, 2 layers: a few seconds per step on a busy 2-core machine.
+SMALL = [
+    "--training.steps", str(STEPS), "--checkpoint.interval", "4", "--metrics.log_freq", "1",
+    "--validation.enable", "false", "--training.local_batch_size", "4",
+    "--training.seq_len", "64", "--model.n_layers", "2",
+]  # fmt: skip
+TIMEOUT = 600
+
+
+# --------------------------------------------------------------------------- helpers
+def trainer_cmd(out: Path, *args: str) -> list[str]:
+    """One trainer process without torchrun (later arguments override earlier ones)."""
+    return [
+        sys.executable, "-m", "titanlite.train", "--job.config_file", CONFIG, *SMALL,
+        "--job.dump_folder", str(out), *args,
+    ]  # fmt: skip
+
+
+def run(out: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        trainer_cmd(out, *args),
+        cwd=REPO,
+        env=subprocess_env(out.parent, **env),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+
+
+class Started:
+    """A trainer process whose output goes to files (no pipe to fill up while we poll)."""
+
+    def __init__(self, out: Path, *args: str, launcher: bool = False, **env: str):
+        """launcher: through ./run_train.sh (torchrun) instead of one plain process."""
+        out.parent.mkdir(parents=True, exist_ok=True)
+        self.log = out.parent / f"{out.name}-{time.monotonic_ns()}.log"
+        self._file = open(self.log, "w")  # noqa: SIM115 (closed in wait)
+        cmd = (
+            [str(REPO / "run_train.sh"), *SMALL, "--job.dump_folder", str(out), *args]
+            if launcher
+            else trainer_cmd(out, *args)
+        )
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=subprocess_env(out.parent, **env),
+            stdout=self._file,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # its own process group, to signal (or clean up) as one
+        )
+
+    def wait_until(
+        self, what: str, condition: Callable[[], bool], timeout: float = TIMEOUT
+    ) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if self.proc.poll() is not None:
+                pytest.fail(
+                    f"trainer exited ({self.proc.returncode}) before {what}:\n{self.output()}"
+                )
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                pytest.fail(f"timed out waiting for {what}:\n{self.output()}")
+            time.sleep(0.01)
+
+    def wait(self) -> int:
+        try:
+            return self.proc.wait(timeout=TIMEOUT)
+        finally:
+            self._file.close()
+            with contextlib.suppress(ProcessLookupError):  # anything it left behind
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def output(self) -> str:
+        return self.log.read_text()[-4000:]
+
+
+def records(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    text = path.read_text()
+    lines = text.splitlines()
+    if lines and not text.endswith("\n"):
+        lines.pop()  # being written right now
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def last_losses(out: Path) -> dict[int, float]:
+    """Loss of the LAST record of each step."""
+    return {r["step"]: r["loss"] for r in records(out) if "loss" in r}
+
+
+def steps_since_last_resume(out: Path) -> list[int]:
+    recs = records(out)
+    starts = [i for i, r in enumerate(recs) if r.get("kind") == "resume"]
+    first = starts[-1] + 1 if starts else 0
+    return [r["step"] for r in recs[first:] if "loss" in r]
+
+
+def step_dirs(out: Path) -> list[str]:
+    return sorted(p.name for p in (out / "checkpoint").iterdir())
+
+
+def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
+    """Every file and folder under folder with its size and mtime."""
+    if not folder.exists():
+        return {}
+    return {
+        str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in sorted(folder.rglob("*"))
+    }
+
+
+def copy_steps(src_run: Path, dst_run: Path, *steps: int) -> None:
+    for step in steps:
+        shutil.copytree(
+            src_run / "checkpoint" / f"step-{step}", dst_run / "checkpoint" / f"step-{step}"
+        )
+
+
+def assert_same_losses(
+    run: Path, baseline: dict[int, float], steps: range, rel: float = 0.0
+) -> None:
+    got = last_losses(run)
+    for step in steps:
+        assert step in got, f"step {step} missing from {run}: {sorted(got)}"
+        a, b = baseline[step], got[step]
+        if rel == 0.0:
+            assert a == b, f"step {step}: baseline {a!r}, resumed {b!r}"
+        else:
+            assert abs(a - b) <= rel * abs(a), f"step {step}: baseline {a!r}, resumed {b!r}"
+
+
+def assert_ok(result: subprocess.CompletedProcess[str]) -> None:
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+
+
+# --------------------------------------------------------------------------- the baseline
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, float]]:
+    """12 uninterrupted steps, saving every 2 steps and keeping all (retention 0)."""
+    out = tmp_path_factory.mktemp("baseline") / "run"
+    result = run(out, "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0")
+    assert_ok(result)
+    losses = last_losses(out)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    return out, losses
+
+
+def test_keep_latest_k_0_keeps_every_checkpoint(baseline: tuple[Path, dict]) -> None:
+    out, _ = baseline
+    assert step_dirs(out) == sorted(f"step-{s}" for s in range(2, STEPS + 1, 2))
+    for s in range(2, STEPS + 1, 2):
+        meta = read_sidecar(out / "checkpoint" / f"step-{s}")
+        assert meta["step"] == s and meta["train_state"]["step"] == s and not meta["model_only"]
+
+
+# --------------------------------------------------------------------------- kills
+def test_resume_after_sigkill_is_exact(tmp_path: Path, baseline: tuple[Path, dict]) -> None:
+    _, base = baseline
+    out = tmp_path / "run"
+    step8 = out / "checkpoint" / "step-8"
+    victim = Started(out)
+    victim.wait_until("step-8 is complete", lambda: step8.is_dir())
+    victim.proc.send_signal(signal.SIGKILL)
+    assert victim.wait() == -signal.SIGKILL
+    assert max(last_losses(out)) < STEPS  # it really was stopped early
+
+    result = run(out)
+    assert_ok(result)
+    assert "resumed from" in result.stdout + result.stderr
+    assert steps_since_last_resume(out) == list(range(9, STEPS + 1))
+    assert_same_losses(out, base, range(1, STEPS + 1))
+
+
+SLOW_COMMIT = """
+import os, time
+_replace = os.replace
+def _slow_replace(src, dst, *a, **k):
+    if str(src).endswith(os.environ["TEST_SLOW_COMMIT"]):
+        time.sleep(600)
+    return _replace(src, dst, *a, **k)
+os.replace = _slow_replace
+"""
+
+
+def test_kill_during_save_resumes_from_previous_and_retention(
+    tmp_path: Path, baseline: tuple[Path, dict]
+) -> None:
+    """SIGKILL while step-8 is written (every shard and .metadata on disk, not yet renamed:
+    the most complete a partial save gets) -> the next run resumes from step-4, replaces the
+    partial folder, and keep_latest_k=2 leaves exactly the two newest checkpoints."""
+    _, base = baseline
+    out = tmp_path / "run"
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SLOW_COMMIT)
+    partial = out / "checkpoint" / "step-8.partial"
+    keep2 = ("--checkpoint.keep_latest_k", "2")
+    victim = Started(out, *keep2, PYTHONPATH=str(hook), TEST_SLOW_COMMIT="step-8.partial")
+    victim.wait_until(
+        "step-8.partial holds the metadata", lambda: (partial / ".metadata").is_file()
+    )
+    victim.proc.send_signal(signal.SIGKILL)
+    assert victim.wait() == -signal.SIGKILL
+    assert step_dirs(out) == ["step-4", "step-8.partial"]
+    assert any(partial.glob("*.distcp"))
+
+    result = run(out, *keep2)
+    assert_ok(result)
+    assert "checkpoint/step-4" in result.stdout + result.stderr
+    assert steps_since_last_resume(out) == list(range(5, STEPS + 1))
+    assert_same_losses(out, base, range(1, STEPS + 1))
+    assert step_dirs(out) == ["step-12", "step-8"]  # partial replaced, step-4 retired
+
+
+# --------------------------------------------------------------------------- preemption
+def test_sigterm_and_sigusr1_save_exit_75_and_resume_exactly(
+    tmp_path: Path, baseline: tuple[Path, dict]
+) -> None:
+    _, base = baseline
+    out = tmp_path / "run"
+
+    first = Started(out)
+    first.wait_until("step 2 is logged", lambda: max(last_losses(out), default=0) >= 2)
+    first.proc.send_signal(signal.SIGTERM)
+    assert first.wait() == EXIT_PREEMPTED, first.output()
+    stopped = max(last_losses(out))
+    assert stopped < STEPS
+    assert read_sidecar(out / "checkpoint" / f"step-{stopped}")["step"] == stopped
+
+    second = Started(out)
+    second.wait_until(
+        "two steps after the resume",
+        lambda: (
+            sum(r.get("kind") == "resume" for r in records(out)) == 1
+            and len(steps_since_last_resume(out)) >= 2
+        ),
+    )
+    second.proc.send_signal(signal.SIGUSR1)
+    assert second.wait() == EXIT_PREEMPTED, second.output()
+    assert f"resumed from checkpoint at step {stopped}" in second.output()
+    stopped2 = max(steps_since_last_resume(out))
+    assert stopped < stopped2 < STEPS
+    assert read_sidecar(out / "checkpoint" / f"step-{stopped2}")["step"] == stopped2
+
+    result = run(out)
+    assert_ok(result)
+    assert steps_since_last_resume(out) == list(range(stopped2 + 1, STEPS + 1))
+    assert_same_losses(out, base, range(1, STEPS + 1))
+
+
+def test_sigterm_through_run_train_exits_75(tmp_path: Path) -> None:
+    """SLURM preemption signals every process of the job step: run_train.sh, torchrun and
+    the ranks. The ranks save; the launcher must exit with 75 too, or nothing requeues."""
+    out = tmp_path / "run"
+    job = Started(out, "--training.local_batch_size", "2", launcher=True, NGPU="2")
+    job.wait_until("step 2 is logged", lambda: max(last_losses(out), default=0) >= 2)
+    os.killpg(job.proc.pid, signal.SIGTERM)
+    status = job.proc.wait(timeout=TIMEOUT)
+    # The ranks (their own process group under torchrun) may outlive a killed launcher.
+    stopped = max(last_losses(out))
+    saved = out / "checkpoint" / f"step-{stopped}"
+    deadline = time.monotonic() + 120
+    while not saved.is_dir() and time.monotonic() < deadline:
+        time.sleep(0.1)
+        stopped = max(last_losses(out))
+        saved = out / "checkpoint" / f"step-{stopped}"
+    job.wait()
+    assert stopped < STEPS
+    assert read_sidecar(saved)["step"] == stopped
+    assert status == EXIT_PREEMPTED, (
+        f"the ranks saved and exited 75 but run_train.sh exited {status}"
+    )
+    assert "stopped at step" in job.output().strip().splitlines()[-1]
+
+
+# --------------------------------------------------------------------------- layouts
+LAYOUTS = {
+    "dp_shard2_tp2": ["--training.local_batch_size", "2", "--parallelism.tensor_parallel_degree", "2"],
+    "dp_replicate4": [
+        "--training.local_batch_size", "1", "--parallelism.data_parallel_replicate_degree", "4",
+        "--parallelism.data_parallel_shard_degree", "1",
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_one_process_checkpoint_resumes_on_4_ranks(
+    tmp_path: Path, baseline: tuple[Path, dict], layout: str
+) -> None:
+    base_run, base = baseline
+    out = tmp_path / "run"
+    copy_steps(base_run, out, 8)
+    result = run_train(tmp_path, *SMALL, "--job.dump_folder", str(out), *LAYOUTS[layout], ngpu=4)
+    assert_ok(result)
+    assert "resumed from checkpoint at step 8" in result.stdout
+    assert steps_since_last_resume(out) == list(range(9, STEPS + 1))
+    assert_same_losses(out, base, range(9, STEPS + 1), rel=1e-4)
+
+
+def test_two_rank_checkpoint_resumes_in_one_process(
+    tmp_path: Path, baseline: tuple[Path, dict]
+) -> None:
+    _, base = baseline
+    two = tmp_path / "two"
+    # The full 12 steps: the LR warmup is min(warmup_steps, steps), so a shorter run would
+    # train differently.
+    result = run_train(
+        tmp_path, *SMALL, "--job.dump_folder", str(two), "--training.local_batch_size", "2",
+        ngpu=2,
+    )  # fmt: skip
+    assert_ok(result)
+    assert json.loads((two / "run.json").read_text())["parallel_degrees"]["dp_shard"] == 2
+    assert_same_losses(two, base, range(1, STEPS + 1), rel=1e-4)
+
+    out = tmp_path / "one"
+    copy_steps(two, out, 8)
+    result = run(out)
+    assert_ok(result)
+    assert steps_since_last_resume(out) == list(range(9, STEPS + 1))
+    assert_same_losses(out, last_losses(two), range(9, STEPS + 1), rel=1e-4)
+    assert_same_losses(out, base, range(9, STEPS + 1), rel=1e-4)
+
+
+def test_rewind_with_load_step_rewrites_later_checkpoints(
+    tmp_path: Path, baseline: tuple[Path, dict]
+) -> None:
+    base_run, _ = baseline
+    out = tmp_path / "run"
+    copy_steps(base_run, out, 4, 8)
+    started = time.time()
+    # Rewind to step 4 (e.g. after a loss spike).
+    result = run(out, "--checkpoint.load_step", "4", "--training.steps", "8")
+    assert_ok(result)
+    assert "resumed from checkpoint at step 4" in result.stdout
+    assert steps_since_last_resume(out) == [5, 6, 7, 8]
+    # step-8 must hold this run's state, not the abandoned run's.
+    assert read_sidecar(out / "checkpoint" / "step-8")["time"] >= started
+
+
+# --------------------------------------------------------------------------- bad checkpoints
+class Evil:
+    """Unpickling this runs a shell command that creates a marker file."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _malicious_metadata(ckpt: Path, marker: Path) -> None:
+    (ckpt / ".metadata").write_bytes(pickle.dumps(Evil(marker)))
+
+
+def _bytes_entry_pointing_at_a_pickle(ckpt: Path, marker: Path) -> None:
+    """A .metadata made only of DCP's own (allow-listed) classes that declares one weight
+    as a pickled object stored in a shard: DCP torch.load()s such entries unrestricted."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    metadata = pickle.loads((ckpt / ".metadata").read_bytes())  # our own, trusted file
+    key = "model.norm.weight"
+    assert key in metadata.state_dict_metadata
+    payload = pickle.dumps(Evil(marker))
+    (ckpt / "__9_0.distcp").write_bytes(payload)
+    metadata.state_dict_metadata[key] = BytesStorageMetadata()
+    metadata.storage_data[MetadataIndex(key)] = _StorageInfo("__9_0.distcp", 0, len(payload))
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+BAD = {
+    # case: (steps to copy from the baseline, how to spoil them, extra arguments, words in the error)
+    "load_step_missing": ((4, 8), None, ["--checkpoint.load_step", "7"], ["load_step", "step-7"]),
+    "truncated_shard": (
+        (4, 8),
+        lambda c, m: os.truncate(c / "__0_0.distcp", (c / "__0_0.distcp").stat().st_size // 2),
+        [],
+        ["step-8", "unreadable"],
+    ),
+    "garbage_shard": (
+        (4, 8),
+        lambda c, m: (c / "__0_0.distcp").write_bytes(
+            os.urandom((c / "__0_0.distcp").stat().st_size)
+        ),
+        [],
+        ["step-8", "unreadable"],
+    ),
+    "code_in_metadata": ((8,), _malicious_metadata, [], ["step-8", "refusing", "system"]),
+    "code_in_shard": ((8,), _bytes_entry_pointing_at_a_pickle, [], ["step-8"]),
+    "other_model_shape": (
+        (8,),
+        None,
+        ["--model.dim", "128"],
+        ["step-8", "different model", "dim=256"],
+    ),
+    "other_seq_len": ((8,), None, ["--training.seq_len", "32"], ["step-8", "seq_len"]),
+}
+
+
+def _error_line(result: subprocess.CompletedProcess[str]) -> str:
+    lines = result.stderr.strip().splitlines()
+    return lines[-1] if lines else ""
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_checkpoint_is_one_error_line_and_changes_nothing(
+    tmp_path: Path, baseline: tuple[Path, dict], case: str
+) -> None:
+    base_run, _ = baseline
+    steps, spoil, args, words = BAD[case]
+    out = tmp_path / "run"
+    copy_steps(base_run, out, *steps)
+    latest = out / "checkpoint" / f"step-{max(steps)}"
+    marker = tmp_path / "payload-ran"
+    if spoil is not None:
+        spoil(latest, marker)
+    before = snapshot(out / "checkpoint")
+
+    result = run(out, *args)
+    after = snapshot(out / "checkpoint")
+    if case != "code_in_shard":
+        assert not marker.exists(), "the checkpoint's pickled payload ran"
+    assert after == before
+    if case == "other_seq_len":  # the data position is optional: skip it and the run goes on
+        rerun = run(out, *args, "--checkpoint.exclude_from_loading", "dataloader")
+        assert_ok(rerun)
+        assert steps_since_last_resume(out) == list(range(9, STEPS + 1))
+    assert not marker.exists(), "the checkpoint's pickled payload ran"
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-4000:]
+    last = _error_line(result)
+    assert last.startswith("titanlite: error: "), result.stderr[-4000:]
+    assert str(out / "checkpoint") in last, last
+    for word in words:
+        assert word in last, (word, last)
+    assert "Traceback" not in result.stderr
+
+
+def test_missing_initial_load_path_is_one_error_line(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    missing = tmp_path / "nowhere" / "step-5"
+    result = run(out, "--checkpoint.initial_load_path", str(missing))
+    assert result.returncode == 2, result.stderr[-4000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert (
+        last.startswith("titanlite: error: ") and str(missing) in last and "does not exist" in last
+    )
+    assert not missing.exists() and not (out / "checkpoint").exists()
+
+
+def test_sidecar_that_is_not_an_object_is_a_user_error(tmp_path: Path) -> None:
+    """titanlite.json holding valid JSON that is not an object (in-process; no launch)."""
+    ckpt = tmp_path / "step-3"
+    ckpt.mkdir()
+    (ckpt / ".metadata").write_bytes(b"")
+    (ckpt / "titanlite.json").write_text("[1, 2]")
+    with pytest.raises(UserError, match="step-3"):
+        read_sidecar(ckpt)
+
+
+# --------------------------------------------------------------------------- async, export, init
+EXPORT = [
+    "--checkpoint.async_mode", "async", "--checkpoint.last_save_model_only", "true",
+    "--checkpoint.export_dtype", "bfloat16",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def async_export_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("async") / "run"
+    assert_ok(run(out, *EXPORT))
+    return out
+
+
+def test_async_saves_do_not_change_training_and_resume_exactly(
+    tmp_path: Path, baseline: tuple[Path, dict], async_export_run: Path
+) -> None:
+    _, base = baseline
+    assert_same_losses(async_export_run, base, range(1, STEPS + 1))
+    assert step_dirs(async_export_run) == ["step-12", "step-4", "step-8"]
+    for s in (4, 8):
+        meta = read_sidecar(async_export_run / "checkpoint" / f"step-{s}")
+        assert meta["train_state"]["step"] == s and not meta["model_only"]
+
+    out = tmp_path / "run"
+    copy_steps(async_export_run, out, 8)
+    result = run(out)  # sync resume of an async save
+    assert_ok(result)
+    assert steps_since_last_resume(out) == list(range(9, STEPS + 1))
+    assert_same_losses(out, base, range(9, STEPS + 1))
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.iterdir())
+
+
+def test_last_save_model_only_bfloat16_export(async_export_run: Path) -> None:
+    ckpt = async_export_run / "checkpoint"
+    meta = read_sidecar(ckpt / "step-12")
+    assert meta["model_only"] is True and "optimizer_param_groups" not in meta
+    metadata = pickle.loads((ckpt / "step-12" / ".metadata").read_bytes())  # trusted: ours
+    dtypes = {str(m.properties.dtype) for m in metadata.state_dict_metadata.values()}
+    assert dtypes == {"torch.bfloat16"}
+    assert all(k.startswith("model.") for k in metadata.state_dict_metadata)
+    # weights in 2 bytes vs weights + 2 AdamW moments in 4 bytes each: ~1/6
+    assert _dir_bytes(ckpt / "step-12") < 0.25 * _dir_bytes(ckpt / "step-8")
+
+
+def test_rerun_after_model_only_final_save_does_not_restart(
+    tmp_path: Path, async_export_run: Path
+) -> None:
+    out = tmp_path / "run"
+    shutil.copytree(async_export_run, out)
+    # The latest resumable state is step-8; asking for 8 steps must not train anything again.
+    result = run(out, *EXPORT, "--training.steps", "8")
+    assert_ok(result)
+    assert steps_since_last_resume(out) == []
+    assert "resumed from checkpoint at step 8" in result.stdout
+
+
+def test_initial_load_path_loads_weights_and_starts_at_step_1(
+    tmp_path: Path, baseline: tuple[Path, dict], async_export_run: Path
+) -> None:
+    """Fine-tune from the bf16 export: a fresh run (step 1, fresh optimizer and data) whose
+    first loss is far below a randomly initialized model's."""
+    _, base = baseline
+    out = tmp_path / "run"
+    source = async_export_run / "checkpoint" / "step-12"
+    result = run(out, "--training.steps", "2", "--checkpoint.initial_load_path", str(source))
+    assert_ok(result)
+    assert "initialized from" in result.stdout + result.stderr
+    recs = records(out)
+    assert not any(r.get("kind") == "resume" for r in recs)
+    losses = last_losses(out)
+    assert sorted(losses) == [1, 2]
+    assert losses[1] < base[1] - 0.5, (losses[1], base[1])
+    assert abs(losses[1] - base[STEPS]) < 0.5, (losses[1], base[STEPS])

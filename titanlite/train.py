@@ -22,7 +22,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -100,7 +99,8 @@ class Trainer:
         if t.deterministic:
             torch.use_deterministic_algorithms(True)
 
-        # 2. Tokenizer and data: each rank reads its share of the same global batches.
+        # 2. Data (the tokenizer came with the checks): each rank reads its share of the same
+        # global batches.
         self.spec = data_spec(cfg)
         self.train_loader = build_dataloader(
             self.tokenizer, self.spec, self.dims.dp_rank, self.dims.dp_size, "train"
@@ -113,7 +113,9 @@ class Trainer:
         self.num_params = count_params(model)
         self.flops_per_token = flops_per_token(self.model_args, t.seq_len)
         self.model = model  # the unwrapped module (checkpoints, init)
-        self.train_model = parallelize(model, self.dims, cfg, self._materialize)
+        self.train_model = parallelize(
+            model, self.dims, cfg, lambda m: m.materialize(self.device, t.seed)
+        )
         self.loss_parallel = uses_loss_parallel(self.dims, cfg)
         uses_fsdp = degrees.dp_shard > 1
         self.autocast_dtype = (
@@ -153,9 +155,6 @@ class Trainer:
                 f"resumed from checkpoint at step {self.state.step}",
             )
         self.train_iter = iter(self.train_loader)
-
-    def _materialize(self, model: nn.Module) -> None:
-        model.materialize(self.device, self.cfg.training.seed)
 
     def _write_run_files(self) -> None:
         self.dump_folder.mkdir(parents=True, exist_ok=True)

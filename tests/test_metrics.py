@@ -88,7 +88,7 @@ def test_disabled_logger_writes_nothing(tmp_path: Path, capsys) -> None:
 
 
 def test_measure_matmul_flops_is_plausible() -> None:
-    flops = measure_matmul_flops(torch.device("cpu"), torch.float32, size=128)
+    flops = measure_matmul_flops(torch.device("cpu"), torch.float32, max_size=256)
     assert math.isfinite(flops)
     assert 1e7 < flops < 1e15  # between a very slow core and far beyond any CPU
 
@@ -101,7 +101,7 @@ def test_peak_flops_is_measured_once_then_cached(
 
     def small_measure(device: torch.device, dtype: torch.dtype) -> float:
         calls.append((device, dtype))
-        return measure_matmul_flops(device, dtype, size=64)
+        return measure_matmul_flops(device, dtype, max_size=256)
 
     monkeypatch.setattr(metrics, "measure_matmul_flops", small_measure)
     cpu = torch.device("cpu")

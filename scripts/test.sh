@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run titanlite's tests, installing what they need on first use (scripts/setup_env.sh --dev).
 #
-#   scripts/test.sh                 everything (about 20 minutes on 2 CPU cores)
+#   scripts/test.sh                 everything (20-25 minutes on 2 CPU cores)
 #   scripts/test.sh -m "not slow"   the fast subset (under a minute)
 #   scripts/test.sh tests/test_ddp.py -x    any pytest arguments
 #

@@ -2,7 +2,7 @@
 # Run titanlite's tests, installing what they need on first use (scripts/setup_env.sh --dev).
 #
 #   scripts/test.sh                 everything (20-25 minutes on 2 CPU cores)
-#   scripts/test.sh -m "not slow"   the fast subset (under a minute)
+#   scripts/test.sh -m "not slow"   the fast subset (about 1.5 minutes)
 #   scripts/test.sh tests/test_ddp.py -x    any pytest arguments
 #
 # Also runs `ruff check` and `ruff format --check` on the whole repo when given no arguments.

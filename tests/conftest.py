@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,18 @@ def read_metrics(folder: Path) -> tuple[list[dict], list[dict]]:
     train = [r for r in lines if r.get("kind") != "validation"]
     val = [r for r in lines if r.get("kind") == "validation"]
     return train, val
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Tiny models gain nothing from intra-op threads, and on a busy machine their
+    synchronization costs 100x: run single-threaded, then restore."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture

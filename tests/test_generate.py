@@ -24,21 +24,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 import generate as generate_script  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore:.*assuming the intent is to:UserWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*assuming the intent is to:UserWarning"),
+    pytest.mark.usefixtures("one_thread"),
+]
 ARGS = ModelArgs(
     dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=4096, multiple_of=32, max_seq_len=128
 )
 PROMPT = [2, 614, 1561, 3995, 694]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy machine their
-    synchronization costs 100x: run these tests single-threaded, then restore."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -39,21 +39,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 # The helpers save checkpoints without a process group, as intended.
-pytestmark = pytest.mark.filterwarnings("ignore:.*assuming the intent is to:UserWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*assuming the intent is to:UserWarning"),
+    pytest.mark.usefixtures("one_thread"),
+]
 # transformers takes seconds to import and to build a model: those tests are slow.
 needs_transformers = pytest.mark.slow
 
 TEXT = "Mr. Speaker, Mr. Vice President: in 1863 the Union stood divided. Café, 東京, 😀!"
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy machine their
-    synchronization costs 100x: run these tests single-threaded, then restore."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny_args(**changes: object) -> ModelArgs:

@@ -22,7 +22,7 @@ from titanlite.config import (
 )
 from titanlite.data.tokenizer import Tokenizer
 from titanlite.errors import EXIT_USER_ERROR, UserError
-from titanlite.models.llama import FLAVORS, ModelArgs, model_args
+from titanlite.models.args import FLAVORS, ModelArgs, model_args
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Tells run_train.sh that preflight did all there was to do (a dry run): launch nothing.

@@ -1,14 +1,22 @@
-"""Data layer: sentencepiece tokenizer, text sources and the packed, resumable loader."""
+"""Data layer: sentencepiece tokenizer, text sources and the packed, resumable loader.
 
-from titanlite.data.loader import IGNORE_INDEX, PackedLoader, build_dataloader
+The loader (which needs torch) is imported on first use, so that the launcher's preflight
+can check a tokenizer through this package without paying for `import torch`.
+"""
+
+from typing import Any
+
 from titanlite.data.spec import DataSpec
 from titanlite.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 
-__all__ = [
-    "DEFAULT_TOKENIZER_PATH",
-    "IGNORE_INDEX",
-    "DataSpec",
-    "PackedLoader",
-    "Tokenizer",
-    "build_dataloader",
-]
+_LOADER_NAMES = ("IGNORE_INDEX", "PackedLoader", "build_dataloader")
+
+__all__ = ["DEFAULT_TOKENIZER_PATH", "DataSpec", "Tokenizer", *_LOADER_NAMES]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LOADER_NAMES:
+        from titanlite.data import loader
+
+        return getattr(loader, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

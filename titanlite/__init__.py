@@ -1,3 +1,8 @@
 """titanlite: PyTorch-native LLM pretraining, from a laptop CPU to GPU clusters."""
 
+import time as _time
+
 __version__ = "0.1.0"
+
+# When this process began importing titanlite: the start of the trainer's start-up record.
+IMPORT_STARTED = _time.time()

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from titanlite import distributed
+from titanlite import IMPORT_STARTED, distributed
 from titanlite.checkpoint import EXIT_PREEMPTED, Checkpointer, TrainState
 from titanlite.config import (
     JobConfig,
@@ -41,10 +41,12 @@ from titanlite.data import IGNORE_INDEX, DataSpec, build_dataloader
 from titanlite.errors import EXIT_USER_ERROR, UserError
 from titanlite.metrics import (
     MetricsLogger,
+    cuda_memory_stats,
     device_name,
     format_duration,
     memory_peak_gib,
     model_state_bytes,
+    peak_cache_file,
     peak_flops,
 )
 from titanlite.models.llama import Transformer, count_params, flops_per_token
@@ -52,6 +54,7 @@ from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.parallelize import DTYPES, parallelize, uses_loss_parallel
 from titanlite.preflight import build_model_args, check, resolve_path
+from titanlite.profiling import profiling
 
 logger = logging.getLogger("titanlite.train")
 
@@ -80,9 +83,36 @@ def data_spec(cfg: JobConfig) -> DataSpec:
     )
 
 
+class StartupClock:
+    """Wall-clock seconds of each start-up phase, from the launch of ./run_train.sh (its
+    TITANLITE_LAUNCH_TIME) to the end of the first step: where a slow start goes."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.last = IMPORT_STARTED
+        launched = os.environ.get("TITANLITE_LAUNCH_TIME")
+        if launched:
+            try:
+                self.seconds["launcher"] = max(IMPORT_STARTED - float(launched), 0.0)
+            except ValueError:
+                pass
+        self.mark("imports")
+
+    def mark(self, phase: str) -> None:
+        now = time.time()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self.last
+        self.last = now
+
+    def summary(self) -> str:
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in self.seconds.items())
+        return f"startup: first step done {sum(self.seconds.values()):.1f} s after launch ({parts})"
+
+
 class Trainer:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
+        self.startup = StartupClock()
+        self.startup_fields: dict[str, object] = {}
         t = cfg.training
         # From the start: a preemption signal during a long start-up (model build, loading a
         # checkpoint) must not kill the process before it can exit with EXIT_PREEMPTED.
@@ -98,6 +128,7 @@ class Trainer:
         self.dims = ParallelDims(degrees, self.device.type)
         if t.deterministic:
             torch.use_deterministic_algorithms(True)
+        self.startup.mark("distributed")
 
         # 2. Data (the tokenizer came with the checks): each rank reads its share of the same
         # global batches.
@@ -105,6 +136,7 @@ class Trainer:
         self.train_loader = build_dataloader(
             self.tokenizer, self.spec, self.dims.dp_rank, self.dims.dp_size, "train"
         )
+        self.startup.mark("data")
 
         # 3. Model: meta device -> parallelize -> materialize and initialize.
         self.model_args = build_model_args(cfg, self.tokenizer.vocab_size)
@@ -122,6 +154,7 @@ class Trainer:
             None if uses_fsdp or t.mixed_precision_param == "float32" else torch.bfloat16
         )
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.startup.mark("model")
 
         # 4. Optimization.
         self.optimizer = build_optimizer(self.model, cfg, self.device)
@@ -133,6 +166,7 @@ class Trainer:
         self.dump_folder = Path(cfg.job.dump_folder)
         self.train_dtype = DTYPES[t.mixed_precision_param]
         self.peak_flops, self.peak_source = peak_flops(self.device, self.train_dtype)
+        self.warned_peak = False
         if self.dist.is_main:
             self._write_run_files()
         wandb_settings = None
@@ -142,7 +176,13 @@ class Trainer:
                 "name": cfg.metrics.wandb_run_name or cfg.job.description,
                 "config": {s: asdict(getattr(cfg, s)) for s in asdict(cfg)},
             }
-        self.metrics = MetricsLogger(self.dump_folder, self.dist.is_main, wandb_settings)
+        tensorboard = None
+        if cfg.metrics.enable_tensorboard:
+            tensorboard = self.dump_folder / cfg.metrics.tensorboard_folder
+        self.metrics = MetricsLogger(
+            self.dump_folder, self.dist.is_main, wandb_settings, tensorboard
+        )
+        self.startup.mark("outputs")
 
         # 6. Checkpoints: resume exactly where the latest complete one left off.
         self.checkpointer = Checkpointer(
@@ -155,6 +195,7 @@ class Trainer:
                 f"resumed from checkpoint at step {self.state.step}",
             )
         self.train_iter = iter(self.train_loader)
+        self.startup.mark("checkpoint")
 
     def _write_run_files(self) -> None:
         self.dump_folder.mkdir(parents=True, exist_ok=True)
@@ -196,41 +237,56 @@ class Trainer:
         start = time.perf_counter()
         window_start, window_tokens, window_data_s = start, 0, 0.0
         first_step = self.state.step + 1
-        while self.state.step < total:
-            self.state.step += 1
-            t0 = time.perf_counter()
-            batches = [next(self.train_iter) for _ in range(self.accum_steps)]
-            window_data_s += time.perf_counter() - t0
-            loss, n_tokens, grad_norm = self.train_step(batches)
-            window_tokens += sum(x.numel() for x, _ in batches)
-            self.state.tokens_seen += n_tokens
+        with profiling(cfg, self.dump_folder, self.dist.rank, first_step) as profiler:
+            while self.state.step < total:
+                self.state.step += 1
+                t0 = time.perf_counter()
+                batches = [next(self.train_iter) for _ in range(self.accum_steps)]
+                window_data_s += time.perf_counter() - t0
+                loss, n_tokens, grad_norm = self.train_step(batches)
+                if self.state.step == first_step:
+                    self._log_startup()
+                window_tokens += sum(x.numel() for x, _ in batches)
+                self.state.tokens_seen += n_tokens
 
-            if (
-                self.state.step == first_step
-                or self.state.step % cfg.metrics.log_freq == 0
-                or self.state.step == total
-            ):
-                now = time.perf_counter()
-                self._log_step(loss, grad_norm, now - window_start, window_tokens, window_data_s,
-                               eta=(now - start) / (self.state.step - first_step + 1) * (total - self.state.step))  # fmt: skip
-                window_start, window_tokens, window_data_s = time.perf_counter(), 0, 0.0
-            if cfg.validation.enable and (
-                self.state.step % cfg.validation.freq == 0 or self.state.step == total
-            ):
-                self.validate()
-            if self._preemption_requested():
-                if cfg.checkpoint.enable:
-                    self.checkpointer.save(self.state.step, force_sync=True)
-                raise Preempted(
-                    f"stopped at step {self.state.step} on signal {self.preempt_signal}"
-                    + ("; checkpoint saved" if cfg.checkpoint.enable else "")
-                )
-            if self.checkpointer.should_save(self.state.step, last=self.state.step == total):
-                self.checkpointer.save(self.state.step, last=self.state.step == total)
-            self.checkpointer.poll()
+                if (
+                    self.state.step == first_step
+                    or self.state.step % cfg.metrics.log_freq == 0
+                    or self.state.step == total
+                ):
+                    now = time.perf_counter()
+                    self._log_step(loss, grad_norm, now - window_start, window_tokens, window_data_s,
+                                   eta=(now - start) / (self.state.step - first_step + 1) * (total - self.state.step))  # fmt: skip
+                    window_start, window_tokens, window_data_s = time.perf_counter(), 0, 0.0
+                if cfg.validation.enable and (
+                    self.state.step % cfg.validation.freq == 0 or self.state.step == total
+                ):
+                    self.validate()
+                if self._preemption_requested():
+                    if cfg.checkpoint.enable:
+                        self.checkpointer.save(self.state.step, force_sync=True)
+                    raise Preempted(
+                        f"stopped at step {self.state.step} on signal {self.preempt_signal}"
+                        + ("; checkpoint saved" if cfg.checkpoint.enable else "")
+                    )
+                if self.checkpointer.should_save(self.state.step, last=self.state.step == total):
+                    self.checkpointer.save(self.state.step, last=self.state.step == total)
+                self.checkpointer.poll()
+                profiler.step()
         logger.info(
             "training finished: %d steps in %s", total, format_duration(time.perf_counter() - start)
         )
+
+    def _log_startup(self) -> None:
+        """Once, after the first step (data wait, compilation and all); the numbers go into
+        that step's record as startup_s and startup_phases_s."""
+        self.startup.mark("first_step")
+        seconds = self.startup.seconds
+        self.startup_fields = {
+            "startup_s": round(sum(seconds.values()), 3),
+            "startup_phases_s": {k: round(v, 3) for k, v in seconds.items()},
+        }
+        logger.info("%s", self.startup.summary())
 
     def _install_signal_handlers(self) -> None:
         """SIGTERM/SIGUSR1 (cluster preemption, SLURM's warning signal) finish the current
@@ -244,6 +300,8 @@ class Trainer:
 
     def _preemption_requested(self) -> bool:
         """Whether any rank got a stop signal: all ranks must stop at the same step."""
+        if self.dist.world_size == 1:
+            return self.preempt_signal is not None
         flag = torch.tensor(int(self.preempt_signal is not None))
         stop = int(distributed.all_reduce(flag, dist.ReduceOp.MAX))
         if stop and self.preempt_signal is None:
@@ -318,6 +376,13 @@ class Trainer:
             )
         tps = tokens / seconds
         mfu = 100 * tps * self.flops_per_token / self.peak_flops
+        if mfu > 100 and not self.warned_peak:
+            self.warned_peak = True
+            logger.warning(
+                "MFU %.0f%% is above 100%%: the peak FLOP/s (%s) was measured while the machine "
+                "was busy; delete %s to measure it again on the next run",
+                mfu, self.peak_source, peak_cache_file(),
+            )  # fmt: skip
         record = {
             "step": self.state.step,
             "loss": loss_value,
@@ -326,12 +391,15 @@ class Trainer:
             "tps": tps,
             "mfu_pct": mfu,
             "mem_peak_gib": memory_peak_gib(self.device),
+            **cuda_memory_stats(self.device),
             # Exact local bytes of params + grads + optimizer state: FSDP's saving shows here.
             "model_state_gib": sum(self.model_state.values()) / 2**30,
             "tokens_seen": self.state.tokens_seen,
             "data_wait_pct": 100 * data_s / seconds,
             "time": time.time(),
+            **self.startup_fields,
         }
+        self.startup_fields = {}
         total = self.cfg.training.steps
         console = (
             f"step {self.state.step:>{len(str(total))}}/{total} | loss {loss_value:7.4f} | "

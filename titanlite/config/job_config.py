@@ -185,6 +185,24 @@ class Metrics:
     """wandb project name."""
     wandb_run_name: str = ""
     """wandb run name ("" = job.description or wandb's own)."""
+    enable_tensorboard: bool = False
+    """Also write TensorBoard event files (needs the tensorboard package: pip install 'titanlite[tensorboard]')."""
+    tensorboard_folder: str = "tb"
+    """TensorBoard log folder, under job.dump_folder."""
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = False
+    """Record a torch profiler trace of one step in every profile_freq (chrome trace JSON, one per rank)."""
+    profile_freq: int = 10
+    """Profile the last step of every window of this many steps (the step before it warms the profiler up)."""
+    save_traces_folder: str = "profile_traces"
+    """Trace folder, under job.dump_folder: iteration_N/rankR_trace.json (open in chrome://tracing or Perfetto)."""
+    enable_memory_snapshot: bool = False
+    """CUDA only: record allocator history and dump a snapshot every profile_freq steps and on out-of-memory (view at pytorch.org/memory_viz)."""
+    save_memory_snapshot_folder: str = "memory_snapshot"
+    """Snapshot folder, under job.dump_folder: iteration_N/rankR_memory_snapshot.pickle."""
 
 
 @dataclass
@@ -211,4 +229,5 @@ class JobConfig:
     compile: Compile = field(default_factory=Compile)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
     validation: Validation = field(default_factory=Validation)

@@ -10,6 +10,7 @@ import ast
 import dataclasses
 import difflib
 import functools
+import importlib.util
 import inspect
 import json
 import math
@@ -312,6 +313,12 @@ def validate(cfg: JobConfig) -> None:
         "activation_checkpoint.selective_ac_option",
         'must be "op" or a positive integer',
     )
+    require(cfg.profiling.profile_freq >= 2, "profiling.profile_freq", "must be at least 2")
+    if m.enable_tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError(
+            "metrics.enable_tensorboard needs the tensorboard package, which is not installed: "
+            "pip install 'titanlite[tensorboard]' (or tensorboard)"
+        )
 
 
 def to_toml(cfg: JobConfig) -> str:

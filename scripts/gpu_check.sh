@@ -23,7 +23,8 @@ if [ "$warmup" -ge "$steps" ]; then
 fi
 out="${DUMP:-$(mktemp -d -t titanlite-gpu-check.XXXXXX)}"
 
-NGPU=1 "$repo/run_train.sh" "$repo/train_configs/debug_model.toml" \
+# Any device-to-host sync inside a step (there should be none) is reported as a warning.
+NGPU=1 TITANLITE_CUDA_SYNC_CHECK=1 "$repo/run_train.sh" "$repo/train_configs/debug_model.toml" \
   --job.dump_folder "$out" --job.description "gpu_check: 1B bf16 compiled" \
   --model.flavor 1B --training.seq_len 2048 --training.local_batch_size 4 \
   --training.steps "$steps" --training.mixed_precision_param bfloat16 --compile.enable \

@@ -145,7 +145,7 @@ def test_run_writes_traces_tensorboard_and_startup(tmp_path: Path) -> None:
     # The first step's record says where the start-up time went, from the launch on.
     first = train[0]
     phases = first["startup_phases_s"]
-    assert {"launcher", "imports", "data", "model", "first_step"} <= phases.keys()
+    assert {"launcher", "imports", "data", "model", "optimizer", "first_step"} <= phases.keys()
     assert all(v >= 0 for v in phases.values())
     assert math.isclose(sum(phases.values()), first["startup_s"], abs_tol=0.01)
     assert all("startup_s" not in r for r in train[1:])

@@ -204,7 +204,7 @@ def test_adamw_groups_no_decay_on_one_dimensional_params() -> None:
         assert group["lr"] == 0.01
         assert group["betas"] == (0.8, 0.9)
         assert group["eps"] == 1e-6
-    assert decay["foreach"] is True and not decay["fused"]  # auto on CPU
+    assert decay["fused"] is True and not decay["foreach"]  # auto on CPU
 
 
 @pytest.mark.parametrize("impl", ["foreach", "for-loop"])

@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -161,6 +162,7 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
         self.state = TrainState()
         self.model_state: dict[str, int] | None = None
+        self.startup.mark("optimizer")
 
         # 5. Outputs.
         self.dump_folder = Path(cfg.job.dump_folder)
@@ -243,7 +245,8 @@ class Trainer:
                 t0 = time.perf_counter()
                 batches = [next(self.train_iter) for _ in range(self.accum_steps)]
                 window_data_s += time.perf_counter() - t0
-                loss, n_tokens, grad_norm = self.train_step(batches)
+                with self._sync_check():
+                    loss, n_tokens, grad_norm = self.train_step(batches)
                 if self.state.step == first_step:
                     self._log_startup()
                 window_tokens += sum(x.numel() for x, _ in batches)
@@ -343,6 +346,19 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss = distributed.all_reduce(loss_sum, dist.ReduceOp.SUM, dp_group) / n_tokens_int
         return loss, n_tokens_int, grad_norm
+
+    @contextlib.contextmanager
+    def _sync_check(self) -> Iterator[None]:
+        """TITANLITE_CUDA_SYNC_CHECK=1: report every device-to-host synchronization inside the
+        step (there should be none; values are read only at log steps). CUDA only."""
+        check = self.device.type == "cuda" and os.environ.get("TITANLITE_CUDA_SYNC_CHECK") == "1"
+        if check:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            if check:
+                torch.cuda.set_sync_debug_mode("default")
 
     def _loss_context(self) -> contextlib.AbstractContextManager:
         """Loss parallel: cross-entropy straight from vocab-sharded logits (TP)."""

@@ -74,7 +74,7 @@ class Optimizer:
     beta2: float = 0.95
     """Adam beta2."""
     implementation: Literal["auto", "foreach", "fused", "for-loop"] = "auto"
-    """Kernel choice: auto = fused on CUDA, foreach elsewhere."""
+    """Kernel choice: auto = fused on CUDA and CPU (the fastest there), foreach elsewhere."""
 
 
 @dataclass

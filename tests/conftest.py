@@ -7,12 +7,14 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+TEST_CACHE = Path(tempfile.gettempdir()) / f"titanlite-test-cache-{os.getuid()}"
 
 
 def subprocess_env(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -28,6 +30,9 @@ def subprocess_env(tmp_path: Path, **extra: str) -> dict[str, str]:
         WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"),
         WANDB_DATA_DIR=str(tmp_path / "wandb-data"),
         PYTHONUNBUFFERED="1",
+        # The matmul peak that tests measure (on a machine busy with tests) must not end up
+        # in the user's cache, where it would set their runs' MFU.
+        TITANLITE_CACHE_DIR=str(TEST_CACHE),
     )
     env.pop("TITANLITE_ERROR_FILE", None)
     env.update(extra)

@@ -124,6 +124,21 @@ def test_peak_flops_is_measured_once_then_cached(
     assert not list(cache.parent.glob("*.tmp"))  # written atomically, no leftovers
 
 
+def test_forgotten_peak_is_measured_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the trainer does when MFU comes out above 100% (a peak measured on a busy machine)."""
+    monkeypatch.setenv("TITANLITE_CACHE_DIR", str(tmp_path / "cache"))
+    measured = iter([1.0e9, 2.0e9, 4.0e9])
+    monkeypatch.setattr(metrics, "measure_matmul_flops", lambda device, dtype: next(measured))
+    cpu = torch.device("cpu")
+    assert peak_flops(cpu, torch.float32)[0] == 1.0e9
+    peak_flops(cpu, torch.bfloat16)  # another entry, which must survive
+    metrics.forget_peak_flops(cpu, torch.float32)
+    flops, how = peak_flops(cpu, torch.float32)
+    assert flops == 4.0e9 and "cached" not in how
+    cache = json.loads((tmp_path / "cache" / "peak_flops.json").read_text())
+    assert sorted(cache.values()) == [2.0e9, 4.0e9]  # bf16 kept, fp32 re-measured
+
+
 def test_peak_flops_survives_a_corrupt_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

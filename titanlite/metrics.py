@@ -36,8 +36,12 @@ GPU_PEAK_FLOPS: dict[str, dict[torch.dtype, float]] = {
 
 
 def peak_cache_file() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "titanlite" / "peak_flops.json"
+    """TITANLITE_CACHE_DIR, else $XDG_CACHE_HOME/titanlite, else ~/.cache/titanlite."""
+    folder = os.environ.get("TITANLITE_CACHE_DIR")
+    if not folder:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        folder = os.path.join(base, "titanlite")
+    return Path(folder) / "peak_flops.json"
 
 
 def device_name(device: torch.device) -> str:
@@ -82,6 +86,29 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, max_size: int
         size *= 2
 
 
+def _peak_cache_key(device: torch.device, dtype: torch.dtype) -> str:
+    # The version tag retires entries measured by an older method.
+    return f"{device_name(device)}|{dtype}|{torch.get_num_threads()} threads|v2"
+
+
+def _read_peak_cache(path: Path) -> dict[str, float]:
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return cached if isinstance(cached, dict) else {}
+
+
+def _write_peak_cache(path: Path, cached: dict[str, float]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cached, indent=1))
+        tmp.replace(path)
+    except OSError as e:  # a read-only home only costs a re-measurement next time
+        logger.warning("could not update the peak FLOP/s cache %s: %s", path, e)
+
+
 def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
     """(peak FLOP/s per device, how it was obtained: 'table: NAME' or 'measured ...')."""
     name = device_name(device)
@@ -89,26 +116,23 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
         for key, table in GPU_PEAK_FLOPS.items():
             if key in name and dtype in table:
                 return table[dtype], f"table: {key}"
-    threads = torch.get_num_threads()
-    # The version tag retires entries measured by an older method.
-    cache_key = f"{name}|{dtype}|{threads} threads|v2"
+    cache_key = _peak_cache_key(device, dtype)
     path = peak_cache_file()
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
+    cached = _read_peak_cache(path)
     if cache_key in cached:
         return float(cached[cache_key]), f"measured (cached) {cache_key}"
     flops = measure_matmul_flops(device, dtype)
     cached[cache_key] = flops
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cached, indent=1))
-        tmp.replace(path)
-    except OSError as e:  # a read-only home only costs a re-measurement next time
-        logger.warning("could not cache peak FLOP/s in %s: %s", path, e)
+    _write_peak_cache(path, cached)
     return flops, f"measured {cache_key}"
+
+
+def forget_peak_flops(device: torch.device, dtype: torch.dtype) -> None:
+    """Drop a cached measurement (one taken on a busy machine), so the next run measures."""
+    path = peak_cache_file()
+    cached = _read_peak_cache(path)
+    if cached.pop(_peak_cache_key(device, dtype), None) is not None:
+        _write_peak_cache(path, cached)
 
 
 def memory_peak_gib(device: torch.device) -> float:

@@ -244,7 +244,8 @@ def throughput(args: argparse.Namespace, peaks: dict[str, float], tmp: Path) -> 
     print(
         f"\n## Training throughput\n\nper rank {args.batch} x {args.seq_len} tokens per step; "
         f"{args.cores} cores split evenly between the ranks; medians over the steps after "
-        f"the first {args.warmup} ({args.bf16_warmup} of {args.bf16_steps} for bf16)\n"
+        f"the first {args.warmup} of {args.steps} ({args.bf16_warmup} of {args.bf16_steps} "
+        f"for bf16), {args.repeats} run(s) per side\n"
     )
     header = (
         "| flavor | case | titanlite tok/s | reference tok/s | titanlite / reference "
@@ -263,13 +264,16 @@ def throughput(args: argparse.Namespace, peaks: dict[str, float], tmp: Path) -> 
         steps, warm = (args.bf16_steps, args.bf16_warmup) if bf16 else (args.steps, args.warmup)
         case_args = argparse.Namespace(**{**vars(args), "steps": steps})
         tokens = args.batch * args.seq_len * case.ranks
-        # Alternate which goes first, so a machine getting busier hurts neither side only.
-        if i % 2 == 0:
-            ours = titanlite_run(case, flavor, case_args, tmp)[warm:]
-            ref = reference_times(case, flavor, case_args, tmp)[warm:]
-        else:
-            ref = reference_times(case, flavor, case_args, tmp)[warm:]
-            ours = titanlite_run(case, flavor, case_args, tmp)[warm:]
+        # Alternate which goes first (ABBA over repeats), so that a machine getting busier
+        # does not hurt one side only; the measured steps of all repeats are pooled.
+        ours, ref = [], []
+        for r in range(args.repeats):
+            if (i + r) % 2 == 0:
+                ours += titanlite_run(case, flavor, case_args, tmp)[warm:]
+                ref += reference_times(case, flavor, case_args, tmp)[warm:]
+            else:
+                ref += reference_times(case, flavor, case_args, tmp)[warm:]
+                ours += titanlite_run(case, flavor, case_args, tmp)[warm:]
         # Logged tokens/s is per rank over its step (data wait and logging included).
         ours_tps = tokens / statistics.median(args.batch * args.seq_len / r["tps"] for r in ours)
         ref_tps = tokens / statistics.median(ref)
@@ -382,6 +386,7 @@ def main() -> int:
                    help="flavors that run the bf16 cases (bf16 is emulated on most CPUs)")  # fmt: skip
     p.add_argument("--bf16-steps", type=int, default=4)
     p.add_argument("--bf16-warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=1, help="runs per side and case, alternating")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch", type=int, default=2, help="sequences per rank per step")
     p.add_argument("--cores", type=int, default=os.cpu_count() or 1)

@@ -262,6 +262,9 @@ class Trainer:
                     self._log_step(loss, grad_norm, now - window_start, window_tokens, window_data_s,
                                    eta=(now - start) / (self.state.step - first_step + 1) * (total - self.state.step))  # fmt: skip
                     window_start, window_tokens, window_data_s = time.perf_counter(), 0, 0.0
+                # Validation and checkpoint saves are not training: their time is left out
+                # of the tokens/s window.
+                paused = time.perf_counter()
                 if cfg.validation.enable and (
                     self.state.step % cfg.validation.freq == 0 or self.state.step == total
                 ):
@@ -276,6 +279,7 @@ class Trainer:
                 if self.checkpointer.should_save(self.state.step, last=self.state.step == total):
                     self.checkpointer.save(self.state.step, last=self.state.step == total)
                 self.checkpointer.poll()
+                window_start += time.perf_counter() - paused
                 profiler.step()
         logger.info(
             "training finished: %d steps in %s", total, format_duration(time.perf_counter() - start)

@@ -18,6 +18,17 @@
 # 75 stopped by SIGTERM/SIGUSR1 after saving a checkpoint (run the same command to resume).
 set -uo pipefail
 
+# Runs a command in the background and returns its exit status. Preemption (SLURM signals
+# every process of the step, or only this script with --signal=B:USR1) is passed on as SIGTERM;
+# a signal interrupts `wait`, so it waits again until the command is really gone.
+supervise() {
+  "$@" &
+  child=$!
+  trap 'kill -TERM "$child" 2>/dev/null' TERM USR1
+  while kill -0 "$child" 2>/dev/null; do wait "$child"; done
+  wait "$child"
+}
+
 # The whole script is one function, read completely before it runs: editing this file
 # while a run is in flight cannot change what that run executes.
 main() {
@@ -76,11 +87,7 @@ main() {
   if [ "$NGPU" = 1 ] && [ "$NNODES" = 1 ] && [ "${MAX_RESTARTS:-0}" = 0 ] \
      && [ "${TITANLITE_TORCHRUN:-0}" != 1 ]; then
     unset TITANLITE_ERROR_FILE
-    "$py" -m titanlite.train --job.config_file "$config" "$@" &
-    local trainer=$!
-    trap 'kill -TERM "$trainer" 2>/dev/null' TERM USR1
-    while kill -0 "$trainer" 2>/dev/null; do wait "$trainer"; done
-    wait "$trainer"
+    supervise "$py" -m titanlite.train --job.config_file "$config" "$@"
     exit $?
   fi
 
@@ -98,15 +105,10 @@ main() {
   fi
   [ -n "${RDZV_ID:-}" ] && rdzv_args+=(--rdzv_id "$RDZV_ID")
 
-  "$py" -m torch.distributed.run --nnodes="$NNODES" --nproc_per_node="$NGPU" "${rdzv_args[@]}" \
-    --max-restarts="${MAX_RESTARTS:-0}" --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
-    -m titanlite.train --job.config_file "$config" "$@" &
-  local launcher=$!
-  # Preemption (SLURM signals every process of the step, or only this script with
-  # --signal=B:USR1): torchrun passes SIGTERM on to every rank, which saves and exits 75.
-  trap 'kill -TERM "$launcher" 2>/dev/null' TERM USR1
-  while kill -0 "$launcher" 2>/dev/null; do wait "$launcher"; done
-  wait "$launcher"
+  # torchrun passes SIGTERM on to every rank, which saves and exits 75.
+  supervise "$py" -m torch.distributed.run --nnodes="$NNODES" --nproc_per_node="$NGPU" \
+    "${rdzv_args[@]}" --max-restarts="${MAX_RESTARTS:-0}" --local-ranks-filter "$LOG_RANK" \
+    --role rank --tee 3 -m titanlite.train --job.config_file "$config" "$@"
   status=$?
 
   # A rank that stopped on bad input or divergence wrote "STATUS<TAB>message": repeat it last,

@@ -40,8 +40,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
+from titanlite.data import Tokenizer  # noqa: E402
 from titanlite.metrics import measure_matmul_flops  # noqa: E402
-from titanlite.models.llama import ModelArgs, flops_per_token, model_args  # noqa: E402
+from titanlite.models.llama import ModelArgs, count_params, flops_per_token, model_args  # noqa: E402
 
 TOKENIZER = REPO / "titanlite" / "assets" / "tokenizer.model"
 
@@ -286,7 +287,7 @@ def throughput(args: argparse.Namespace, peaks: dict[str, float], tmp: Path) -> 
         )  # fmt: skip
         row = {
             "flavor": flavor,
-            "params": count_params(a),
+            "params": count_ref_params(a),
             "flops_per_token": fpt,
             **asdict(case),
             "steps_measured": len(ours),
@@ -313,13 +314,13 @@ def data_supply(args: argparse.Namespace, rows: list[dict]) -> list[dict]:
     """How many tokens/s the loader alone hands one rank, against what training consumes."""
     from bench_data import bench as bench_loader
 
-    from titanlite.data import DataSpec, Tokenizer
+    from titanlite.data import DataSpec
 
     print("\n## Data loader supply vs training demand\n")
     print("| flavor | ranks | loader tok/s per rank | training tok/s per rank | supply / demand |")
     print("|---|---|---|---|---|")
     out = []
-    tokenizer = Tokenizer(str(TOKENIZER))
+    tokenizer = args.tokenizer
     spec = DataSpec(dataset="sotu", seq_len=args.seq_len, local_batch_size=args.batch)
     for row in rows:
         if row["dtype"] != "float32" or row["compile"]:
@@ -363,15 +364,9 @@ def startup(args: argparse.Namespace, tmp: Path) -> list[dict]:
     return records
 
 
-def vocab_size() -> int:
-    import sentencepiece
-
-    return sentencepiece.SentencePieceProcessor(model_file=str(TOKENIZER)).vocab_size()
-
-
-def count_params(a: ModelArgs) -> int:
+def count_ref_params(a: ModelArgs) -> int:
     with torch.device("meta"):
-        return sum(p.numel() for p in RefLlama(a).parameters())
+        return count_params(RefLlama(a))
 
 
 def main() -> int:
@@ -406,7 +401,8 @@ def main() -> int:
         return 0
     if args.warmup >= args.steps or args.bf16_warmup >= args.bf16_steps:
         p.error("warmup steps must be fewer than steps")
-    args.vocab_size = vocab_size()
+    args.tokenizer = Tokenizer(str(TOKENIZER))
+    args.vocab_size = args.tokenizer.vocab_size
 
     torch.set_num_threads(args.cores)
     peaks = {

@@ -114,6 +114,9 @@ class Trainer:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
         self.startup = StartupClock()
+        self.check_syncs = (
+            torch.cuda.is_available() and os.environ.get("TITANLITE_CUDA_SYNC_CHECK") == "1"
+        )
         self.startup_fields: dict[str, object] = {}
         t = cfg.training
         # From the start: a preemption signal during a long start-up (model build, loading a
@@ -352,18 +355,12 @@ class Trainer:
         loss = distributed.all_reduce(loss_sum, dist.ReduceOp.SUM, dp_group) / n_tokens_int
         return loss, n_tokens_int, grad_norm
 
-    @contextlib.contextmanager
-    def _sync_check(self) -> Iterator[None]:
+    def _sync_check(self) -> contextlib.AbstractContextManager:
         """TITANLITE_CUDA_SYNC_CHECK=1: report every device-to-host synchronization inside the
         step (there should be none; values are read only at log steps). CUDA only."""
-        check = self.device.type == "cuda" and os.environ.get("TITANLITE_CUDA_SYNC_CHECK") == "1"
-        if check:
-            torch.cuda.set_sync_debug_mode("warn")
-        try:
-            yield
-        finally:
-            if check:
-                torch.cuda.set_sync_debug_mode("default")
+        if not self.check_syncs:
+            return contextlib.nullcontext()
+        return _cuda_sync_warnings()
 
     def _loss_context(self) -> contextlib.AbstractContextManager:
         """Loss parallel: cross-entropy straight from vocab-sharded logits (TP)."""
@@ -481,6 +478,15 @@ class Trainer:
     def close(self) -> None:
         self.checkpointer.close()
         self.metrics.close()
+
+
+@contextlib.contextmanager
+def _cuda_sync_warnings() -> Iterator[None]:
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -57,12 +57,6 @@ main() {
     fi
   fi
   NNODES="${NNODES:-1}"
-  # Multi-node (docs/multinode.md): every node must name the same rendezvous address; the
-  # default localhost:0 (a free local port) would leave each node waiting for the others forever.
-  if [ "$NNODES" != 1 ] && [ -z "${RDZV_ENDPOINT:-}" ]; then
-    echo "run_train: NNODES=$NNODES needs RDZV_ENDPOINT=HOST:PORT, the same on every node" >&2
-    exit 2
-  fi
   LOG_RANK="${LOG_RANK:-0}"
   # CUDA: growable segments instead of fixed blocks cut fragmentation when shapes vary
   # (e.g. the last, shorter batch of an epoch). No effect on CPU.
@@ -80,6 +74,14 @@ main() {
   status=$?
   [ "$status" -eq 100 ] && exit 0
   [ "$status" -eq 0 ] || exit "$status"
+
+  # Multi-node (docs/multinode.md): every node must name the same rendezvous address; the
+  # default localhost:0 (a free local port) would leave each node waiting for the others
+  # forever. (Checked after preflight: a dry run is one local process and needs none.)
+  if [ "$NNODES" != 1 ] && [ -z "${RDZV_ENDPOINT:-}" ]; then
+    echo "run_train: NNODES=$NNODES needs RDZV_ENDPOINT=HOST:PORT, the same on every node" >&2
+    exit 2
+  fi
 
   # One process on one node without restarts needs no torchrun: starting the trainer directly
   # saves torchrun's own `import torch` (~4 s of CPU here) on every launch. Signals, exit

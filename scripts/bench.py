@@ -42,7 +42,9 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from titanlite.data import Tokenizer  # noqa: E402
 from titanlite.metrics import measure_matmul_flops  # noqa: E402
-from titanlite.models.llama import ModelArgs, count_params, flops_per_token, model_args  # noqa: E402
+from titanlite.models.layers import count_params  # noqa: E402
+from titanlite.models.llama import SPEC as LLAMA  # noqa: E402
+from titanlite.models.llama.args import LlamaArgs as ModelArgs  # noqa: E402
 
 TOKENIZER = REPO / "titanlite" / "assets" / "tokenizer.model"
 
@@ -146,7 +148,7 @@ def reference_worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    a = model_args(args.flavor, args.vocab_size, args.seq_len)
+    a = LLAMA.make_args(args.flavor, args.vocab_size, args.seq_len, {})
     model: nn.Module = RefLlama(a)
     if case.data_parallel == "fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -278,8 +280,8 @@ def throughput(args: argparse.Namespace, peaks: dict[str, float], tmp: Path) -> 
         # Logged tokens/s is per rank over its step (data wait and logging included).
         ours_tps = tokens / statistics.median(args.batch * args.seq_len / r["tps"] for r in ours)
         ref_tps = tokens / statistics.median(ref)
-        a = model_args(flavor, args.vocab_size, args.seq_len)
-        fpt = flops_per_token(a, args.seq_len)
+        a = LLAMA.make_args(flavor, args.vocab_size, args.seq_len, {})
+        fpt = LLAMA.flops_per_token(a, args.seq_len)
         baseline = next(
             (r["reference_tps"] for r in rows
              if r["flavor"] == flavor and r["name"] == "1p-eager-fp32"),

@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def worker(flavor: str, repeats: int, folder: str) -> dict:
     from titanlite.config import load_config
-    from titanlite.train import Trainer
+    from titanlite.trainer import Trainer
 
     cfg = load_config(
         [

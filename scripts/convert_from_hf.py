@@ -1,4 +1,4 @@
-"""Import a Hugging Face Llama folder as a titanlite checkpoint (model weights only).
+"""Import a Hugging Face Llama or Qwen3 folder as a titanlite checkpoint (model weights only).
 
     python scripts/convert_from_hf.py hf/llama-folder outputs/init/step-0
 
@@ -18,7 +18,8 @@ from pathlib import Path
 
 from titanlite.data.tokenizer import Tokenizer
 from titanlite.errors import EXIT_USER_ERROR, UserError
-from titanlite.hf import load_hf, save_model_checkpoint
+from titanlite.interop.checkpoint_model import save_model_checkpoint
+from titanlite.interop.hf import load_hf
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -36,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Library warnings (e.g. a tied model saved untied) go to stderr; stdout is the result.
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        state, model_args = load_hf(args.hf_dir)
+        state, spec, model_args = load_hf(args.hf_dir)
         tokenizer = args.tokenizer
         if tokenizer is None and (args.hf_dir / "tokenizer.model").is_file():
             tokenizer = args.hf_dir / "tokenizer.model"
@@ -44,13 +45,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UserError(f"tokenizer {str(tokenizer)!r} has more tokens than the model")
         state = {name: tensor.float() for name, tensor in state.items()}
         save_model_checkpoint(
-            state, model_args, args.out, tokenizer=tokenizer, source=str(args.hf_dir.resolve())
+            state,
+            spec,
+            model_args,
+            args.out,
+            tokenizer=tokenizer,
+            source=str(args.hf_dir.resolve()),
         )
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
     note = "" if tokenizer else " (no tokenizer: pass --tokenizer to generate.py)"
-    print(f"wrote {args.out}: {model_args}{note}")
+    print(f"wrote {args.out}: {spec.name} {model_args}{note}")
     return 0
 
 

@@ -1,10 +1,10 @@
-"""Export a titanlite checkpoint as a Hugging Face Llama folder.
+"""Export a titanlite checkpoint as a Hugging Face folder (LlamaForCausalLM, Qwen3ForCausalLM).
 
     python scripts/convert_to_hf.py outputs/debug/checkpoint/step-100 hf/debug [--dtype bfloat16]
 
 Writes config.json, model.safetensors (or model-0000X-of-0000Y.safetensors + an index when
 larger than --max-shard-size) and the sentencepiece tokenizer, loadable with
-``transformers.LlamaForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained``. The
+``transformers.AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained``. The
 folder is written atomically and only replaces an empty folder or an earlier export.
 """
 
@@ -16,8 +16,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from titanlite.dtypes import DTYPES
 from titanlite.errors import EXIT_USER_ERROR, UserError
-from titanlite.hf import DTYPES, checkpoint_tokenizer, load_checkpoint_model, parse_size, save_hf
+from titanlite.interop.checkpoint_model import checkpoint_tokenizer, load_checkpoint_model
+from titanlite.interop.hf import parse_size, save_hf
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -40,12 +42,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         max_shard_bytes = parse_size(args.max_shard_size)
-        model, model_args, meta = load_checkpoint_model(args.checkpoint)
-        tokenizer = checkpoint_tokenizer(meta, args.tokenizer, model_args.vocab_size)
+        loaded = load_checkpoint_model(args.checkpoint)
+        meta = loaded.meta
+        tokenizer = checkpoint_tokenizer(meta, args.tokenizer, loaded.args.vocab_size)
         source = {"source": str(args.checkpoint.resolve()), "step": meta.get("step")}
         files = save_hf(
-            model.state_dict(),
-            model_args,
+            loaded.model.state_dict(),
+            loaded.spec,
+            loaded.args,
             args.out,
             tokenizer,
             dtype=DTYPES[args.dtype],

@@ -19,7 +19,7 @@ import torch
 
 from titanlite.errors import EXIT_USER_ERROR, UserError
 from titanlite.generate import generate
-from titanlite.hf import checkpoint_tokenizer, load_checkpoint_model
+from titanlite.interop.checkpoint_model import checkpoint_tokenizer, load_checkpoint_model
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -52,8 +52,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         check_args(args)
-        model, model_args, meta = load_checkpoint_model(args.checkpoint)
-        tokenizer = checkpoint_tokenizer(meta, args.tokenizer, model_args.vocab_size)
+        loaded = load_checkpoint_model(args.checkpoint)
+        model, model_args = loaded.model, loaded.args
+        tokenizer = checkpoint_tokenizer(loaded.meta, args.tokenizer, model_args.vocab_size)
         prompt_ids = tokenizer.encode(args.prompt, bos=True, eos=False)
         if not prompt_ids:
             raise UserError("the prompt is empty and the tokenizer has no BOS token")

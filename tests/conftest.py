@@ -86,3 +86,12 @@ def one_thread() -> Iterator[None]:
 @pytest.fixture
 def repo() -> Path:
     return REPO
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_worker_pools() -> Iterator[None]:
+    """Stop tests/pool.py's worker processes when the session ends (if any test used them)."""
+    yield
+    pool = sys.modules.get("pool")
+    if pool is not None and hasattr(pool, "shutdown_pools"):
+        pool.shutdown_pools()

@@ -269,7 +269,7 @@ def test_sbatch_two_nodes_matches_one_process(
     out, log = slurm_run
     info = json.loads((out / "run.json").read_text())
     assert info["world_size"] == 4
-    assert info["parallel_degrees"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
+    assert info["parallel_degrees"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2}
     assert "2 nodes (node[1-2]), 2 processes per node, rendezvous node1:" in log, log[-3000:]
     assert "world size 4 (2 per node)" in log
     assert re.search(r"first step 1 logged [\d.]+ s after the job started", log), log[-3000:]

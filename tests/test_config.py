@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from titanlite import preflight
+from titanlite.checks import build_model_args
 from titanlite.config import (
     ConfigError,
     JobConfig,
@@ -24,7 +25,6 @@ from titanlite.config import (
 )
 from titanlite.config.parse import apply_toml, field_docs, sections, tomllib, validate
 from titanlite.data.tokenizer import DEFAULT_TOKENIZER_PATH
-from titanlite.preflight import build_model_args
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN_CONFIGS = sorted((REPO / "train_configs").glob("*.toml"))
@@ -404,7 +404,12 @@ def test_shipped_config_loads_and_has_no_unknown_keys(path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("name", "world_size", "vocab_size"),
-    [("debug_model.toml", 1, 4096), ("llama3_8b.toml", 8, 32000), ("llama3_70b.toml", 64, 32000)],
+    [
+        ("debug_model.toml", 1, 4096),
+        ("llama3_8b.toml", 8, 32000),
+        ("llama3_70b.toml", 64, 32000),
+        ("llama3_405b.toml", 2048, 128256),
+    ],
 )
 def test_shipped_config_layout_is_valid_at_its_scale(
     name: str, world_size: int, vocab_size: int
@@ -413,7 +418,7 @@ def test_shipped_config_layout_is_valid_at_its_scale(
     degrees = resolve_degrees(cfg, world_size)
     assert degrees.world_size == world_size
     assert gradient_accumulation_steps(cfg, degrees) >= 1
-    args = build_model_args(cfg, vocab_size)
+    _, args = build_model_args(cfg, vocab_size)
     assert args.max_seq_len == cfg.training.seq_len
     assert args.n_heads % cfg.parallelism.tensor_parallel_degree == 0
 

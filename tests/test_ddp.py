@@ -1,22 +1,18 @@
 """Tests of titanlite's bucketed data-parallel engine (titanlite/parallel/ddp.py).
 
 Single-process tests check bucket assignment and gradient views in a world of one. The slow
-tests spawn real gloo process groups of 2 and 4 ranks; all scenarios of one world size share
-one group (see tests/ddp_workers.py) and each test below checks one scenario's result on every
-rank, with the worker's traceback as the failure message.
+tests run scenarios (tests/ddp_scenarios.py) on the session's pools of 2 and 4 gloo ranks
+(tests/pool.py), which later test modules reuse; a failing scenario shows every failing rank's
+traceback.
 """
 
 from __future__ import annotations
 
-import json
-import time
-from pathlib import Path
-
-import ddp_workers
+import ddp_models
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from pool import ScenarioError, get_pool
 from torch import nn
 
 from titanlite.parallel.ddp import BucketedDDP, assign_buckets
@@ -106,8 +102,8 @@ def test_grads_are_views_and_survive_set_to_none(world_of_one: None) -> None:
         plain.zero_grad(set_to_none=set_to_none)
         model(x).square().sum().backward()
         plain(x).square().sum().backward()
-        ddp_workers.assert_close(ddp_workers.grads(model), ddp_workers.grads(plain), "world 1")
-        ddp_workers.grads_are_bucket_views(model)
+        ddp_models.assert_close(ddp_models.grads(model), ddp_models.grads(plain), "world 1")
+        ddp_models.grads_are_bucket_views(model)
     # The views are the buffers: writing a grad writes the bucket (no hidden copies).
     model.module.c.bias.grad.fill_(3.0)
     bucket = model.bucket_buffers()[model.bucket_parameter_names().index(["c.bias"])]
@@ -161,7 +157,6 @@ WORLD2 = [
     "comm_hooks",
     "compiled_blocks",
     "rebuild_takes_first_rank_order",
-    "deliberate_failure",
 ]
 WORLD4 = [
     "parity_tiny_buckets_sgd",
@@ -173,65 +168,28 @@ WORLD4 = [
 ]
 
 
-def _run_world(world: int, names: list[str], tmp: Path, timeout_s: float = 300) -> dict:
-    """Run ``names`` on ``world`` spawned ranks; return {scenario: [traceback or None per rank]}."""
-    context = mp.start_processes(
-        ddp_workers.run_scenarios,
-        args=(world, str(tmp / "init"), str(tmp), names),
-        nprocs=world,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + timeout_s
-    crash = "timed out"
-    try:
-        while not context.join(timeout=max(1.0, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    if process.is_alive():
-                        process.kill()
-                break
-    except mp.ProcessException as err:  # a rank died outside a scenario (e.g. a signal)
-        crash = str(err)
-    results: dict[str, list[str | None]] = {name: [] for name in names}
-    for rank in range(world):
-        path = tmp / f"rank{rank}.json"
-        done = json.loads(path.read_text()) if path.exists() else {}
-        for name in names:
-            results[name].append(done.get(name, f"rank {rank} never finished {name}: {crash}"))
-    return results
-
-
-@pytest.fixture(scope="module")
-def world2(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return _run_world(2, WORLD2, tmp_path_factory.mktemp("world2"))
-
-
-@pytest.fixture(scope="module")
-def world4(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return _run_world(4, WORLD4, tmp_path_factory.mktemp("world4"))
-
-
-def _check(results: dict, name: str) -> None:
-    failures = [f"--- rank {r} ---\n{tb}" for r, tb in enumerate(results[name]) if tb is not None]
-    if failures:
-        pytest.fail(f"scenario {name} failed:\n" + "\n".join(failures), pytrace=False)
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("name", WORLD2[:-1])
-def test_two_ranks(world2: dict, name: str) -> None:
-    _check(world2, name)
+@pytest.mark.parametrize("name", WORLD2)
+def test_two_ranks(name: str) -> None:
+    get_pool(2).run(f"ddp_scenarios:{name}")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", WORLD4)
-def test_four_ranks(world4: dict, name: str) -> None:
-    _check(world4, name)
+def test_four_ranks(name: str) -> None:
+    get_pool(4).run(f"ddp_scenarios:{name}")
 
 
 @pytest.mark.slow
-def test_worker_failures_reach_pytest(world2: dict) -> None:
-    """The harness itself: a failing scenario comes back with its message from every rank."""
-    tracebacks = world2["deliberate_failure"]
-    assert all(tb is not None and "deliberate failure 1234" in tb for tb in tracebacks)
+def test_worker_failures_reach_pytest() -> None:
+    """The harness itself: a scenario failing on every rank comes back with each rank's
+    message, and the pool stays up for the next test (tests/test_pool.py covers one-rank
+    failures, hangs and crashes)."""
+    pool = get_pool(2)
+    with pytest.raises(ScenarioError) as failure:
+        pool.run("ddp_scenarios:deliberate_failure")
+    assert sorted(failure.value.tracebacks) == [0, 1]
+    for rank, tb in failure.value.tracebacks.items():
+        assert f"deliberate failure 1234 on rank {rank}" in tb and "Traceback" in tb
+        assert f"deliberate failure 1234 on rank {rank}" in str(failure.value)
+    assert pool.alive

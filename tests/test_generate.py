@@ -18,7 +18,10 @@ from torch import nn
 from titanlite.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from titanlite.errors import EXIT_USER_ERROR
 from titanlite.generate import generate, next_token
-from titanlite.models.llama import ModelArgs, Transformer
+from titanlite.models import get
+from titanlite.models.init import init_parameters
+from titanlite.models.layers import Decoder as Transformer
+from titanlite.models.llama.args import LlamaArgs as ModelArgs
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
@@ -37,7 +40,7 @@ PROMPT = [2, 614, 1561, 3995, 694]
 @pytest.fixture(scope="module")
 def model() -> Transformer:
     model = Transformer(ARGS)
-    model.init_weights(0)
+    init_parameters(model, lambda name: get("llama3").init_rule(ARGS, name), 0)
     with torch.no_grad():  # a peakier next-token distribution than the init's, so that
         model.output.weight.mul_(8)  # greedy, top-k and sampling choose differently
     return model.eval()

@@ -18,19 +18,32 @@ import torch.distributed.checkpoint as dcp
 
 from titanlite.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from titanlite.errors import EXIT_USER_ERROR, UserError
-from titanlite.hf import (
+from titanlite.interop import checkpoint_model
+from titanlite.interop.hf import parse_size
+from titanlite.models import get
+from titanlite.models.init import init_parameters
+from titanlite.models.layers import Decoder as Transformer
+from titanlite.models.layers import apply_rope, rope_tables
+from titanlite.models.llama.args import FLAVORS
+from titanlite.models.llama.args import LlamaArgs as ModelArgs
+from titanlite.models.llama.hf import (
     from_hf_config,
     from_hf_state_dict,
     halves_to_interleaved,
     interleaved_to_halves,
-    load_checkpoint_model,
-    parse_size,
     to_hf_config,
     to_hf_state_dict,
 )
-from titanlite.models.llama import FLAVORS, ModelArgs, Transformer, apply_rope, rope_tables
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def load_checkpoint_model(path: Path) -> tuple[Transformer, ModelArgs, dict]:
+    loaded = checkpoint_model.load_checkpoint_model(path)
+    assert loaded.spec.name == "llama3"
+    return loaded.model, loaded.args, loaded.meta
+
+
 sys.path.insert(0, str(REPO / "scripts"))
 import convert_from_hf  # noqa: E402
 import convert_to_hf  # noqa: E402
@@ -63,7 +76,8 @@ def tiny_model(args: ModelArgs, seed: int = 0) -> Transformer:
     model.to_empty(device="cpu")
     if args.tie_embeddings:  # to_empty unties shared parameters
         model.output.weight = model.tok_embeddings.weight
-    model.init_weights(seed)
+    model.init_buffers()
+    init_parameters(model, lambda name: get("llama3").init_rule(args, name), seed)
     with torch.no_grad():  # sharper attention than the init gives, so RoPE errors show
         for layer in model.layers.values():
             layer.attention.wq.weight.mul_(20)
@@ -351,7 +365,7 @@ def bad_inputs(tmp_path: Path) -> dict[str, Path]:
         (convert_to_hf, "missing", "does not exist"),
         (convert_to_hf, "partial", "not a complete titanlite checkpoint"),
         (convert_from_hf, "missing", "does not exist"),
-        (convert_from_hf, "not_llama", "not a Llama model"),
+        (convert_from_hf, "not_llama", "not a model titanlite trains"),
         (convert_from_hf, "no_weights", "has no model.safetensors"),
     ],
 )

@@ -1,4 +1,4 @@
-"""The Llama model: published sizes, shapes, causality, GQA, RoPE, deterministic init, FLOPs,
+"""The Llama family: published sizes, shapes, causality, GQA, RoPE, deterministic init, FLOPs,
 shape validation, and that it learns."""
 
 from __future__ import annotations
@@ -10,18 +10,26 @@ import torch
 import torch.nn.functional as F
 
 from titanlite.config import load_config
-from titanlite.models.llama import (
-    FLAVORS,
-    ModelArgs,
-    Transformer,
-    apply_rope,
-    count_params,
-    flops_per_token,
-    initial_value,
-    model_args,
-    rope_tables,
-)
+from titanlite.models import get
+from titanlite.models.init import full_value, init_parameters
+from titanlite.models.layers import Decoder as Transformer
+from titanlite.models.layers import apply_rope, count_params, rope_tables
+from titanlite.models.llama.args import FLAVORS
+from titanlite.models.llama.args import LlamaArgs as ModelArgs
 from titanlite.optim import build_optimizer
+from titanlite.parallel.materialize import materialize
+
+LLAMA = get("llama3")
+flops_per_token = LLAMA.flops_per_token
+
+
+def model_args(flavor: str, vocab_size: int, max_seq_len: int, **overrides: object) -> ModelArgs:
+    return LLAMA.make_args(flavor, vocab_size, max_seq_len, overrides)
+
+
+def init_weights(model: Transformer, seed: int = 0) -> None:
+    init_parameters(model, lambda name: LLAMA.init_rule(model.args, name), seed)
+
 
 LLAMA3_VOCAB = 128256
 
@@ -42,7 +50,7 @@ def tiny_args(**changes: object) -> ModelArgs:
 
 def build(args: ModelArgs, seed: int = 0) -> Transformer:
     model = Transformer(args)
-    model.init_weights(seed)
+    init_weights(model, seed)
     return model
 
 
@@ -223,7 +231,7 @@ def test_init_ignores_global_rng_and_previous_values() -> None:
     with torch.no_grad():
         for p in b.parameters():
             p.fill_(7.0)
-    b.init_weights(0)
+    init_weights(b, 0)
     for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
         assert torch.equal(pa, pb), name
 
@@ -243,7 +251,8 @@ def test_each_weight_depends_only_on_its_name_not_construction_order() -> None:
     # Generating values one by one in reverse order gives the same weights.
     names = [n for n, _ in three.named_parameters()]
     for name in reversed(names):
-        value = initial_value(three, name, params3[name].shape, seed=0)
+        rule = LLAMA.init_rule(three.args, name)
+        value = full_value(rule, 0, name, tuple(params3[name].shape))
         assert torch.equal(value, params3[name]), name
 
 
@@ -265,7 +274,8 @@ def test_init_recomputes_rope_after_meta_construction() -> None:
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device="cpu")
-    model.init_weights(0)
+    model.init_buffers()
+    init_weights(model, 0)
     reference = build(args)
     torch.testing.assert_close(model.rope, rope_tables(args.head_dim, args.max_seq_len, 5e5))
     tokens = torch.randint(0, 97, (1, 8))
@@ -321,7 +331,7 @@ def test_model_args_applies_only_set_overrides() -> None:
 
 
 def test_model_overrides_from_config_reach_the_model() -> None:
-    from titanlite.preflight import build_model_args
+    from titanlite.checks import build_model_args
 
     cfg = load_config(
         [
@@ -331,7 +341,7 @@ def test_model_overrides_from_config_reach_the_model() -> None:
             "--training.seq_len=64",
         ]
     )
-    args = build_model_args(cfg, 4096)
+    _, args = build_model_args(cfg, 4096)
     assert (args.n_layers, args.kv_heads, args.tie_embeddings, args.max_seq_len) == (1, 8, True, 64)
 
 
@@ -388,7 +398,7 @@ def test_tied_embeddings_stay_tied_when_materialized_from_meta() -> None:
     args = model_args("debugmodel", 512, 32, tie_embeddings=True)
     with torch.device("meta"):
         model = Transformer(args)
-    model.materialize("cpu", seed=0)
+    materialize(model, LLAMA, args, "cpu", seed=0)
     assert model.output.weight is model.tok_embeddings.weight
     assert model.output.weight.device.type == "cpu"
     assert count_params(model) == sum(p.numel() for p in model.parameters())

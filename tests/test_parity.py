@@ -1,7 +1,7 @@
-"""Numerics parity: every parallel layout trains like one process.
+"""Numerics parity: every parallel layout trains like one process, for every model family.
 
-Each test trains a tiny Llama for a few steps through ./run_train.sh with real processes (gloo on
-CPU) and compares its loss and gradient norm at every step with a 1-process fp32 run on the
+Each test trains a tiny model (Llama 3 and Qwen3) for a few steps with titanlite's Trainer on
+the ranks of a reused worker pool (tests/pool.py: real gloo processes) and compares its loss and gradient norm at every step with a 1-process fp32 run on the
 same global batch of 8 sequences. Data parallelism, tensor parallelism, gradient accumulation,
 activation checkpointing and torch.compile change how the work is split or scheduled, never the
 mathematics, so they must agree to float32 round-off (RTOL). bf16 mixed precision changes the
@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import read_metrics, run_train
+import train_scenarios
+from pool import get_pool
 
 from titanlite.metrics import relative_difference
 
@@ -36,13 +37,23 @@ RTOL = 1e-4
 # on the grad norm; the bounds leave a margin of ~17x for other seeds and platforms and still
 # catch real bugs (a wrong loss scale or a dropped micro-batch is off by > 1e-2).
 BF16_RTOL = {"loss": 5e-3, "grad_norm": 5e-2}
-# Heads divisible by 4 so that the same model (and baseline) serves tp=4.
-TINY_RUN = (
-    "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4",
-    "--model.n_kv_heads", "4", "--model.multiple_of", "32", "--training.seq_len", "64",
-    "--training.steps", str(STEPS), "--metrics.log_freq", "1", "--validation.enable", "false",
-    "--checkpoint.enable", "false",
+COMMON = (
+    "--training.seq_len", "64", "--training.steps", str(STEPS), "--metrics.log_freq", "1",
+    "--validation.enable", "false", "--checkpoint.enable", "false",
 )  # fmt: skip
+# Heads divisible by 4 so that the same model (and baseline) serves tp=4.
+FAMILIES = {
+    "llama3": (
+        "--model.name", "llama3", "--model.dim", "64", "--model.n_layers", "2",
+        "--model.n_heads", "4", "--model.n_kv_heads", "4", "--model.multiple_of", "32",
+    ),
+    # Its own head size (4 x 24 != dim 64), q/k norms and tied embeddings.
+    "qwen3": (
+        "--model.name", "qwen3", "--model.flavor", "debugmodel", "--model.dim", "64",
+        "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "4",
+        "--model.head_dim", "24", "--model.hidden_dim", "96",
+    ),
+}  # fmt: skip
 
 Curves = dict[str, list[float]]
 
@@ -97,17 +108,19 @@ class Run:
     output: str
 
 
-def train(tmp_path_factory: pytest.TempPathFactory, name: str, *args: str, ngpu: int = 1) -> Run:
-    """A tiny training run; fails the test unless it exits 0 and logs every step."""
+def train(
+    tmp_path_factory: pytest.TempPathFactory, name: str, family: str, *args: str, ngpu: int = 1
+) -> Run:
+    """A tiny training run on ``ngpu`` pool ranks; fails the test unless it logs every step."""
     folder = tmp_path_factory.mktemp(name.replace(" ", "").replace("=", ""))
-    out = folder / "run"
-    result = run_train(folder, *TINY_RUN, "--job.dump_folder", str(out), *args, ngpu=ngpu)
-    assert result.returncode == 0, f"{name}: exit {result.returncode}\n{result.stderr[-3000:]}"
-    records, _ = read_metrics(out)
+    argv = [*FAMILIES[family], *COMMON, "--job.dump_folder", str(folder / "run"), *args]
+    pool = get_pool(ngpu)
+    run = pool.run(train_scenarios.train, argv=argv)[0]
+    records = run["records"]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1)), name
     curves = {m: [float(r[m]) for r in records] for m in METRICS}
-    info = json.loads((out / "run.json").read_text())
-    return Run(curves, info, result.stdout + result.stderr)
+    assert run["info"]["model_name"] == family
+    return Run(curves, run["info"], "\n".join(pool.last_logs[0]))
 
 
 def max_relative_differences(name: str, base: Curves, other: Curves) -> dict[str, float]:
@@ -149,24 +162,40 @@ def parity_summary(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory: pytest.TempPathFactory) -> Curves:
-    """One process, fp32, eager, global batch GLOBAL_BATCH in one micro-batch."""
-    run = train(tmp_path_factory, "baseline", *Layout().args())
-    assert run.info["world_size"] == 1 and run.info["gradient_accumulation_steps"] == 1
-    # A run that repeated one batch or logged a constant would make every comparison easy.
-    assert len(set(run.curves["loss"])) == STEPS
-    return run.curves
+def baselines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Curves]:
+    """Per family: one process, fp32, eager, global batch GLOBAL_BATCH in one micro-batch."""
+    curves = {}
+    for family in FAMILIES:
+        run = train(tmp_path_factory, f"baseline {family}", family, *Layout().args())
+        assert run.info["world_size"] == 1 and run.info["gradient_accumulation_steps"] == 1
+        # A run that repeated one batch or logged a constant would make every comparison easy.
+        assert len(set(run.curves["loss"])) == STEPS
+        curves[family] = run.curves
+    # The two families really are different models.
+    assert curves["llama3"]["loss"] != curves["qwen3"]["loss"]
+    return curves
 
 
+@pytest.fixture(scope="module")
+def baseline(baselines: dict[str, Curves]) -> Curves:
+    return baselines["llama3"]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.name.replace(" ", ""))
 def test_layout_matches_one_process(
-    layout: Layout, baseline: Curves, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    run = train(tmp_path_factory, layout.name, *layout.args(), ngpu=layout.ngpu)
-    expected = {"dp_replicate": layout.replicate, "dp_shard": layout.shard, "tp": layout.tp}
+    layout: Layout, family: str, baselines: dict[str, Curves],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:  # fmt: skip
+    name = f"{family} {layout.name}"
+    run = train(tmp_path_factory, name, family, *layout.args(), ngpu=layout.ngpu)
+    expected = {
+        "pp": 1, "dp_replicate": layout.replicate, "dp_shard": layout.shard, "cp": 1,
+        "tp": layout.tp,
+    }  # fmt: skip
     assert run.info["parallel_degrees"] == expected
     assert run.info["global_batch_size"] == GLOBAL_BATCH
-    assert_parity(layout.name, baseline, run.curves)
+    assert_parity(name, baselines[family], run.curves)
 
 
 @pytest.mark.parametrize(
@@ -182,7 +211,7 @@ def test_gradient_accumulation_matches_one_batch(
     dp = layout.replicate * layout.shard
     local = GLOBAL_BATCH // (2 * dp)
     run = train(
-        tmp_path_factory, name, *layout.args(),
+        tmp_path_factory, name, "llama3", *layout.args(),
         "--training.local_batch_size", str(local),
         "--training.global_batch_size", str(GLOBAL_BATCH),
         ngpu=layout.ngpu,
@@ -205,7 +234,7 @@ def test_activation_checkpointing_matches_no_checkpointing(
 ) -> None:  # fmt: skip
     name = f"activation checkpointing {mode}" + (f" ({option})" if mode == "selective" else "")
     run = train(
-        tmp_path_factory, name,
+        tmp_path_factory, name, "llama3",
         "--activation_checkpoint.mode", mode, "--activation_checkpoint.selective_ac_option", option,
     )  # fmt: skip
     assert applied in run.output  # otherwise this compares the baseline with itself
@@ -214,7 +243,7 @@ def test_activation_checkpointing_matches_no_checkpointing(
 
 def test_compile_matches_eager(baseline: Curves, tmp_path_factory: pytest.TempPathFactory) -> None:
     name = "torch.compile"
-    run = train(tmp_path_factory, name, "--compile.enable")
+    run = train(tmp_path_factory, name, "llama3", "--compile.enable")
     assert "with torch.compile" in run.output
     assert_parity(name, baseline, run.curves)
 
@@ -226,7 +255,8 @@ def test_bf16_fsdp_stays_close_to_fp32(
     name = "bf16 dp_shard=2"
     layout = Layout(shard=2)
     run = train(
-        tmp_path_factory, name, *layout.args(), "--training.mixed_precision_param", "bfloat16",
+        tmp_path_factory, name, "llama3", *layout.args(),
+        "--training.mixed_precision_param", "bfloat16",
         ngpu=layout.ngpu,
     )  # fmt: skip
     assert run.info["train_dtype"] == "bfloat16"

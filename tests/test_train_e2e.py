@@ -47,7 +47,7 @@ def test_default_run_learns_and_writes_its_outputs(tmp_path: Path) -> None:
     run = json.loads((out / "run.json").read_text())
     assert run["num_params"] > 1_000_000 and run["flops_per_token"] > 6 * run["num_params"] // 2
     assert run["world_size"] == 1 and run["peak_flops_source"].startswith("measured")
-    assert run["parallel_degrees"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 1}
+    assert run["parallel_degrees"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1}
 
     # wandb (offline) wrote a run with data in it.
     runs = list((out / "wandb").glob("offline-run-*/run-*.wandb"))

@@ -3,15 +3,21 @@
 Runs in one process over a fake process group of the full world size, with the model on
 the meta device, so the 405B layout for thousands of GPUs is checked on a laptop: every
 parallelism is applied exactly as in training, and the shapes of the local shards give the
-memory each rank will hold.
+memory each rank will hold. With --job.dry_run_init_rank R the process acts as rank R and
+really allocates and initializes that rank's shards on this machine's CPU, which measures
+what a start-up costs one rank.
 """
 
 from __future__ import annotations
+
+import resource
+import time
 
 import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from titanlite.checks import build_model_args
 from titanlite.config import (
     JobConfig,
     global_batch_size,
@@ -19,45 +25,81 @@ from titanlite.config import (
     resolve_degrees,
 )
 from titanlite.metrics import local_bytes
-from titanlite.models.llama import Transformer, count_params, flops_per_token
+from titanlite.models.layers import count_params
 from titanlite.parallel.dims import ParallelDims
+from titanlite.parallel.materialize import materialize
 from titanlite.parallel.parallelize import parallelize
-from titanlite.preflight import build_model_args
 
 # fp32 master weights, fp32 gradients, and AdamW's two fp32 moments.
 BYTES_PER_PARAM = {"params": 4, "grads": 4, "optimizer": 8}
+GIB = 2**30
 
 
 def dry_run(cfg: JobConfig, world_size: int, tokenizer_vocab: int) -> str:
     """The report (several lines) for this config at this world size."""
     degrees = resolve_degrees(cfg, world_size)
-    args = build_model_args(cfg, tokenizer_vocab)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    spec, args = build_model_args(cfg, tokenizer_vocab)
+    init_rank = cfg.job.dry_run_init_rank
+    rank = max(init_rank, 0)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         dims = ParallelDims(degrees, "cpu")
         with torch.device("meta"):
-            model = Transformer(args)
+            model = spec.build(args)
         total = count_params(model)
-        parallelize(model, dims, cfg, materialize=None)
-        # Shards are the same size on every rank up to rounding; rank 0 holds the largest.
+        parallelize(model, spec, args, dims, cfg, device=None)
         params = list({id(p): p for p in model.parameters()}.values())
         local_numel = local_bytes(params) // 4  # still float32 on meta
+        init_lines = _initialize_one_rank(model, spec, args, cfg, rank) if init_rank >= 0 else []
     finally:
         dist.destroy_process_group()
-    gib = 2**30
-    state = {k: local_numel * b / gib for k, b in BYTES_PER_PARAM.items()}
+    state = {k: local_numel * b / GIB for k, b in BYTES_PER_PARAM.items()}
     accum = gradient_accumulation_steps(cfg, degrees)
     gbs = global_batch_size(cfg, degrees)
-    lines = [
-        f"dry run: {cfg.model.name}/{cfg.model.flavor} on {world_size} ranks",
-        f"  mesh            dp_replicate={degrees.dp_replicate} x dp_shard={degrees.dp_shard}"
-        f" x tp={degrees.tp}",
-        f"  parameters      {total:,} ({total / 1e9:.2f} B); {local_numel:,} per rank",
-        f"  model state     {sum(state.values()):.2f} GiB per rank (params {state['params']:.2f}"
-        f" + grads {state['grads']:.2f} + AdamW {state['optimizer']:.2f}), before activations",
-        f"  FLOPs per token {flops_per_token(args, cfg.training.seq_len):.4g} (seq_len "
-        f"{cfg.training.seq_len})",
-        f"  global batch    {gbs} sequences = {gbs * cfg.training.seq_len:,} tokens "
-        f"({accum} micro-batch{'es' if accum > 1 else ''} per step)",
+    return "\n".join(
+        [
+            f"dry run: {cfg.model.name}/{cfg.model.flavor} on {world_size} ranks",
+            f"  mesh            {degrees.describe()}",
+            f"  parameters      {total:,} ({total / 1e9:.2f} B); {local_numel:,} on rank {rank}",
+            f"  model state     {sum(state.values()):.2f} GiB per rank (params "
+            f"{state['params']:.2f} + grads {state['grads']:.2f} + AdamW "
+            f"{state['optimizer']:.2f}), before activations",
+            f"  FLOPs per token {spec.flops_per_token(args, cfg.training.seq_len):.4g} (seq_len "
+            f"{cfg.training.seq_len})",
+            f"  global batch    {gbs} sequences = {gbs * cfg.training.seq_len:,} tokens "
+            f"({accum} micro-batch{'es' if accum > 1 else ''} per step)",
+            *init_lines,
+        ]
+    )
+
+
+def _initialize_one_rank(model, spec, args, cfg: JobConfig, rank: int) -> list[str]:  # noqa: ANN001
+    """Allocate and initialize this (fake) rank's shards on the CPU; report the cost."""
+    before = _rss_bytes()
+    start = time.perf_counter()
+    stats = materialize(model, spec, args, "cpu", cfg.training.seed)
+    seconds = time.perf_counter() - start
+    params = list({id(p): p for p in model.parameters()}.values())
+    shard = local_bytes(params)
+    peak_increase = max(_peak_rss_bytes() - before, 0)
+    finite = all(
+        torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all() for p in params
+    )
+    return [
+        f"  init rank {rank:<6}{stats['elements']:,} elements ({shard / GIB:.3f} GiB) allocated "
+        f"and initialized on the CPU in {seconds:.1f} s ({stats['allocate_s']:.1f} s allocation, "
+        f"{stats['init_s']:.1f} s values)",
+        f"  init memory     peak {peak_increase / GIB:.3f} GiB above the process before "
+        f"allocation = {peak_increase / max(shard, 1):.2f} x the shard; values "
+        f"{'all finite' if finite else 'NOT FINITE'}",
     ]
-    return "\n".join(lines)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def _peak_rss_bytes() -> int:
+    """The process's high-water mark (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

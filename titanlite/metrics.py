@@ -14,7 +14,7 @@ import os
 import resource
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -268,10 +268,14 @@ def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return total
 
 
-def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+def model_state_bytes(
+    parts: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer]
+) -> dict[str, int]:
     """Exact bytes of parameters, gradients and optimizer state held by this rank."""
-    params = list({id(p): p for p in model.parameters()}.values())
-    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    params = list({id(p): p for part in parts for p in part.parameters()}.values())
+    state = [
+        v for o in optimizers for s in o.state.values() for v in s.values() if torch.is_tensor(v)
+    ]
     return {
         "params": local_bytes(params),
         "grads": local_bytes(p.grad for p in params if p.grad is not None),

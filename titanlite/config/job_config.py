@@ -27,30 +27,36 @@ class Job:
     """Free text describing the run; shown in logs and wandb."""
     dry_run: bool = False
     """Validate the config and layout, print model size and FLOPs, then exit without training."""
+    dry_run_init_rank: int = -1
+    """With dry_run: also allocate and initialize this rank's real shards of the layout on this machine's CPU, and report seconds and bytes (-1 = don't)."""
 
 
 @dataclass
 class Model:
-    name: Literal["llama3"] = "llama3"
-    """Model family."""
+    name: Literal["llama3", "qwen3"] = "llama3"
+    """Model family (docs/models.md)."""
     flavor: str = "debugmodel"
-    """Size preset: debugmodel, bench, 1B, 3B, 8B, 70B or 405B (see titanlite.models.llama)."""
+    """Size preset of the family: llama3 debugmodel, bench, 1B, 3B, 8B, 70B, 405B; qwen3 debugmodel, 0.6B, 1.7B, 4B, 8B, 14B, 32B."""
     tokenizer_path: str = "titanlite/assets/tokenizer.model"
     """Sentencepiece .model file; the vocabulary size follows it."""
     vocab_size: int | None = None
     """Embedding rows (unset = the tokenizer's vocabulary size; if set, at least that). Lets a dry run go without a tokenizer file."""
     dim: int | None = None
-    """Override the flavor's hidden size."""
+    """Override the flavor's hidden size (every override below applies to the families whose shapes have that field)."""
     n_layers: int | None = None
     """Override the flavor's number of transformer blocks."""
     n_heads: int | None = None
     """Override the flavor's number of query heads."""
     n_kv_heads: int | None = None
     """Override the flavor's number of key/value heads (grouped-query attention)."""
+    head_dim: int | None = None
+    """Override the flavor's size of one attention head (qwen3; llama3 derives it as dim / n_heads)."""
+    hidden_dim: int | None = None
+    """Override the flavor's feed-forward width (qwen3; llama3 derives it from ffn_dim_multiplier and multiple_of)."""
     ffn_dim_multiplier: float | None = None
-    """Override the flavor's feed-forward width multiplier."""
+    """Override the flavor's feed-forward width multiplier (llama3)."""
     multiple_of: int | None = None
-    """Override: the feed-forward width is rounded up to a multiple of this."""
+    """Override: the feed-forward width is rounded up to a multiple of this (llama3)."""
     rope_theta: float | None = None
     """Override the flavor's RoPE base frequency."""
     norm_eps: float | None = None
@@ -172,7 +178,7 @@ class Checkpoint:
     export_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the weights in a model-only final checkpoint."""
     exclude_from_loading: list[str] = field(default_factory=list)
-    """State not to restore on resume: any of model, optimizer, lr_scheduler, dataloader, train_state."""
+    """State not to restore on resume: any of model, optimizer, lr_scheduler, dataloader, train_state, rng."""
 
 
 @dataclass

@@ -1,7 +1,11 @@
 """Parallel degrees and batch arithmetic: pure functions of the config and the world size.
 
 Kept free of torch so the launcher can reject an impossible layout before any process
-starts.
+starts. The mesh has five named dimensions, outermost first: pp (pipeline stages),
+dp_replicate (replicas), dp_shard (FSDP shards), cp (context parallel) and tp (tensor
+parallel); ep (expert parallel) is a view that borrows ranks from dp_shard x cp x tp.
+Today's config sets dp_replicate, dp_shard and tp; pp, cp and ep stay 1 until their
+parallelisms exist.
 """
 
 from __future__ import annotations
@@ -10,21 +14,57 @@ from dataclasses import dataclass
 
 from titanlite.config.job_config import ConfigError, JobConfig
 
+MESH_DIMS: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
 
 @dataclass(frozen=True)
 class Degrees:
     dp_replicate: int
     dp_shard: int
     tp: int
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        for name in (*MESH_DIMS, "ep"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"parallelism: the {name} degree must be at least 1")
+        borrowed = self.dp_shard * self.cp * self.tp
+        if borrowed % self.ep:
+            raise ConfigError(
+                f"parallelism: the expert-parallel degree {self.ep} must divide "
+                f"dp_shard x cp x tp = {borrowed}"
+            )
+
+    def of(self, dim: str) -> int:
+        return getattr(self, dim)
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
+        size = 1
+        for dim in MESH_DIMS:
+            size *= self.of(dim)
+        return size
 
     @property
     def dp(self) -> int:
         """Ranks that see different data (the batch dimensions)."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp(self) -> int:
+        """Ranks that shard parameters (context-parallel ranks shard them too)."""
+        return self.dp_shard * self.cp
+
+    @property
+    def loss(self) -> int:
+        """Ranks whose losses and token counts are summed: batch x context."""
+        return self.dp * self.cp
+
+    def describe(self) -> str:
+        shown = [f"{d}={self.of(d)}" for d in MESH_DIMS if self.of(d) > 1 or d == "dp_shard"]
+        return " x ".join(shown)
 
 
 def resolve_degrees(cfg: JobConfig, world_size: int) -> Degrees:
@@ -42,7 +82,7 @@ def resolve_degrees(cfg: JobConfig, world_size: int) -> Degrees:
                 f"data_parallel_replicate_degree x tensor_parallel_degree = {rep} x {tp}"
             )
         shard = world_size // (rep * tp)
-    degrees = Degrees(rep, shard, tp)
+    degrees = Degrees(dp_replicate=rep, dp_shard=shard, tp=tp)
     if degrees.world_size != world_size:
         raise ConfigError(
             f"parallelism: data_parallel_replicate_degree x data_parallel_shard_degree x "

@@ -20,6 +20,7 @@ import types
 import typing
 from typing import Any, Literal
 
+from titanlite.checkpoint.keys import STATE_KEYS
 from titanlite.config.job_config import ConfigError, JobConfig
 
 if sys.version_info >= (3, 11):
@@ -300,11 +301,10 @@ def validate(cfg: JobConfig) -> None:
     require(c.interval >= 1, "checkpoint.interval", "must be at least 1")
     require(c.keep_latest_k >= 0, "checkpoint.keep_latest_k", "must be >= 0 (0 keeps all)")
     require(c.load_step == -1 or c.load_step >= 0, "checkpoint.load_step", "must be -1 or >= 0")
-    known_states = {"model", "optimizer", "lr_scheduler", "dataloader", "train_state"}
     require(
-        set(c.exclude_from_loading) <= known_states,
+        set(c.exclude_from_loading) <= set(STATE_KEYS),
         "checkpoint.exclude_from_loading",
-        f"must name only {', '.join(sorted(known_states))}",
+        f"must name only {', '.join(STATE_KEYS)}",
     )
     ac = cfg.activation_checkpoint
     option = ac.selective_ac_option
@@ -314,6 +314,13 @@ def validate(cfg: JobConfig) -> None:
         'must be "op" or a positive integer',
     )
     require(cfg.profiling.profile_freq >= 2, "profiling.profile_freq", "must be at least 2")
+    j = cfg.job
+    require(j.dry_run_init_rank >= -1, "job.dry_run_init_rank", "must be -1 or a rank (>= 0)")
+    require(
+        j.dry_run_init_rank == -1 or j.dry_run,
+        "job.dry_run_init_rank",
+        "needs --job.dry_run (it initializes one rank's shards instead of training)",
+    )
     if m.enable_tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError(
             "metrics.enable_tensorboard needs the tensorboard package, which is not installed: "

@@ -1,0 +1,22 @@
+"""Model families, each behind a ModelSpec; ``get(name)`` is how the rest of titanlite finds
+one. Plain Python: importing this package does not import torch.
+
+Adding a family: a folder here with its args and flavors, a spec in its ``__init__``, its
+modules (``build``, ``init_buffers``) and its Hugging Face adapter; then one line below and
+the name in ``titanlite.config.job_config.Model.name`` (docs/models.md walks through Qwen3).
+"""
+
+from __future__ import annotations
+
+from titanlite.models.llama import SPEC as LLAMA3
+from titanlite.models.qwen3 import SPEC as QWEN3
+from titanlite.models.spec import InitRule, ModelSpec
+
+REGISTRY: dict[str, ModelSpec] = {spec.name: spec for spec in (LLAMA3, QWEN3)}
+
+__all__ = ["REGISTRY", "InitRule", "ModelSpec", "get"]
+
+
+def get(name: str) -> ModelSpec:
+    """The spec of a family; KeyError for an unknown name (config validation catches it first)."""
+    return REGISTRY[name]

@@ -1,16 +1,32 @@
-"""ParallelDims: the resolved degrees and the one DeviceMesh every parallelism uses."""
+"""ParallelDims: the resolved degrees and the one DeviceMesh every parallelism uses.
+
+The mesh always has the five named dimensions of ``titanlite.config.layout.MESH_DIMS``
+(size-1 ones included, so every layout addresses the same names), outermost first: pp,
+dp_replicate, dp_shard, cp, tp. TP is innermost so its heavy per-layer traffic stays within a
+node. Parallelisms ask for the derived meshes by role:
+
+  batch  dp_replicate x dp_shard       ranks that read different data
+  loss   dp_replicate x dp_shard x cp  ranks whose loss sums and token counts add up
+  fsdp   dp_shard x cp                 ranks that shard parameters (with dp_replicate: HSDP)
+"""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
 
-import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from titanlite.config import Degrees
+from titanlite.config.layout import MESH_DIMS, Degrees
 
 logger = logging.getLogger(__name__)
+
+_DERIVED = {
+    "batch": ("dp_replicate", "dp_shard"),
+    "loss": ("dp_replicate", "dp_shard", "cp"),
+    "fsdp": ("dp_shard", "cp"),
+}
 
 
 @dataclass
@@ -18,31 +34,47 @@ class ParallelDims:
     degrees: Degrees
     device_type: str
     mesh: DeviceMesh = field(init=False)
-    dp_mesh: DeviceMesh = field(init=False)
-    """The batch dimension (dp_replicate x dp_shard flattened): ranks that see different data."""
+    _derived: dict[str, DeviceMesh] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         d = self.degrees
-        # Outer to inner: replicas, shards, tensor parallel (TP innermost so its heavy
-        # per-layer traffic stays within a node).
+        if d.pp > 1 or d.cp > 1 or d.ep > 1:
+            raise NotImplementedError("pipeline, context and expert parallelism are not built yet")
         self.mesh = init_device_mesh(
-            self.device_type,
-            (d.dp_replicate, d.dp_shard, d.tp),
-            mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
+            self.device_type, tuple(d.of(n) for n in MESH_DIMS), mesh_dim_names=MESH_DIMS
         )
-        self.dp_mesh = self.mesh["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp")
-        logger.info(
-            "device mesh: dp_replicate=%d x dp_shard=%d x tp=%d", d.dp_replicate, d.dp_shard, d.tp
-        )
+        for role, dims in _DERIVED.items():
+            self._derived[role] = self.mesh[dims]._flatten(mesh_dim_name=role)
+        logger.info("device mesh: %s", d.describe())
+
+    def __getitem__(self, name: str) -> DeviceMesh:
+        """A named dimension (pp, dp_replicate, dp_shard, cp, tp) or a derived mesh (batch,
+        loss, fsdp)."""
+        return self._derived[name] if name in self._derived else self.mesh[name]
+
+    def size(self, name: str) -> int:
+        return self[name].size()
+
+    def local_rank(self, name: str) -> int:
+        return self[name].get_local_rank()
+
+    def group(self, name: str) -> dist.ProcessGroup:
+        return self[name].get_group()
 
     @property
-    def dp_rank(self) -> int:
-        return self.dp_mesh.get_local_rank()
+    def batch_rank(self) -> int:
+        """Which share of each global batch this rank reads."""
+        return self.local_rank("batch")
 
     @property
-    def dp_size(self) -> int:
+    def batch_size(self) -> int:
+        """How many shares each global batch is cut into."""
         return self.degrees.dp
 
-    def group(self, name: str) -> torch.distributed.ProcessGroup:
-        """Process group of a mesh dimension: dp_replicate, dp_shard, tp, or dp."""
-        return self.dp_mesh.get_group() if name == "dp" else self.mesh[name].get_group()
+    def hsdp_or_fsdp_mesh(self) -> DeviceMesh:
+        """FSDP's mesh: 2-D (replicate, shard) for HSDP, else the shard dimension."""
+        if self.degrees.cp > 1:
+            raise NotImplementedError("FSDP over context-parallel ranks is not built yet")
+        if self.degrees.dp_replicate > 1:
+            return self.mesh["dp_replicate", "dp_shard"]
+        return self.mesh["dp_shard"]

@@ -1,0 +1,323 @@
+"""Checkpoints that never lose work: sharded DCP saves, atomic completion, exact resume.
+
+The Checkpointer takes the registry of Stateful objects (``states.build_states``) and knows
+nothing else about training. A save writes step-N.partial and renames it to step-N only once
+every rank's shards and the sidecar are on disk, so a kill at any moment leaves the previous
+checkpoint as the latest. Old checkpoints are deleted only after a newer one is complete.
+
+Tensors are stored by name with their global shapes, so a checkpoint loads into any layout
+(DCP reshards). Loading never unpickles arbitrary objects: plain state is JSON, and DCP's
+pickled metadata is read with an allow-list (``safe_reader``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.stateful import Stateful
+
+from titanlite.checkpoint.folders import (
+    complete_checkpoints,
+    fsync_dir,
+    model_name,
+    plain_states,
+    read_sidecar,
+    write_sidecar,
+)
+from titanlite.checkpoint.safe_reader import SafeFileSystemReader
+from titanlite.config.job_config import Checkpoint as CheckpointConfig
+from titanlite.dtypes import DTYPES
+from titanlite.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What a checkpoint must match to be loaded: the family and its args (as a dict)."""
+
+    name: str
+    args: dict[str, Any]
+
+
+def resume_path(cfg: CheckpointConfig, folder: Path) -> Path | None:
+    """The checkpoint a run with this config resumes from (None: a fresh start)."""
+    if not cfg.enable:
+        return None
+    # A model-only export has no training state to continue from.
+    found = [
+        (step, path)
+        for step, path in complete_checkpoints(folder)
+        if not read_sidecar(path).get("model_only", False)
+    ]
+    if cfg.load_step >= 0:
+        for step, path in found:
+            if step == cfg.load_step:
+                return path
+        raise UserError(
+            f"checkpoint.load_step {cfg.load_step}: no complete checkpoint "
+            f"{folder / f'step-{cfg.load_step}'}"
+        )
+    return found[-1][1] if found else None
+
+
+def will_load_weights(cfg: CheckpointConfig, folder: Path) -> bool:
+    """Whether loading at start-up overwrites every weight (so initializing them is wasted)."""
+    if resume_path(cfg, folder) is not None:
+        return "model" not in cfg.exclude_from_loading
+    return cfg.enable and bool(cfg.initial_load_path)
+
+
+class Checkpointer:
+    def __init__(
+        self,
+        states: dict[str, Stateful],
+        cfg: CheckpointConfig,
+        folder: Path,
+        identity: ModelIdentity,
+        sidecar_fields: dict[str, Any],
+        is_main: bool,
+    ):
+        self.states = states
+        self.cfg = cfg
+        self.folder = folder
+        self.identity = identity
+        self.sidecar_fields = sidecar_fields
+        self.is_main = is_main
+        self._pending: tuple[Future, Path, Path, dict[str, Any], float] | None = None
+        # Background saves talk over their own group so they never interleave with the
+        # training step's collectives.
+        self._async_group = dist.new_group(backend="gloo") if cfg.async_mode == "async" else None
+
+    # ------------------------------------------------------------------ loading
+    def load(self) -> bool:
+        """Resume from this run's latest checkpoint (or load initial_load_path). True when
+        training state (not just weights) was restored."""
+        path = resume_path(self.cfg, self.folder)
+        if path is not None:
+            keys = [k for k in self.states if k not in self.cfg.exclude_from_loading]
+            self._load(path, keys)
+            logger.info("resumed from %s (step %d)", path, read_sidecar(path)["step"])
+            return True
+        if self.cfg.enable and self.cfg.initial_load_path:
+            path = Path(self.cfg.initial_load_path)
+            model_only = self.cfg.initial_load_model_only or read_sidecar(path).get("model_only")
+            self._load(path, ["model"] if model_only else list(self.states))
+            logger.info("initialized from %s%s", path, " (weights only)" if model_only else "")
+            return not model_only
+        return False
+
+    def _load(self, path: Path, keys: list[str]) -> None:
+        meta = read_sidecar(path)
+        self._check_model(path, meta)
+        if meta.get("model_only", False):
+            keys = [k for k in keys if k == "model"]
+        reader = SafeFileSystemReader(str(path))
+        try:
+            saved = reader.read_metadata().state_dict_metadata  # refuse a bad one here
+        except Exception as e:  # unreadable, or refused: DCP would log a traceback
+            raise UserError(
+                f"checkpoint folder {str(path)!r}: unreadable .metadata ({e})"
+            ) from None
+        plain = plain_states(meta)
+        tensors: dict[str, Any] = {}
+        for key in keys:
+            template, missing = _tensors_in(self.states[key].state_dict(), key, saved)
+            if missing and not getattr(self.states[key], "partial_ok", False):
+                raise UserError(
+                    f"checkpoint folder {str(path)!r} has no tensor {missing[0]!r}"
+                    + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                )
+            tensors[key] = template
+        try:
+            dcp.load(tensors, storage_reader=reader)
+        except (Exception, CheckpointException) as e:  # a BaseException; the cause helps
+            raise UserError(f"checkpoint folder {str(path)!r} is unreadable: {_cause(e)}") from None
+        for key in keys:
+            try:
+                self.states[key].load_state_dict(_merge(tensors[key], plain.get(key)))
+            except (KeyError, TypeError, ValueError, UserError) as e:
+                raise UserError(
+                    f"checkpoint folder {str(path)!r}: its {key} state does not fit this run ({e})"
+                ) from None
+
+    def _check_model(self, path: Path, meta: dict[str, Any]) -> None:
+        """A checkpoint of another model is refused by name, before DCP sees it."""
+        saved_name = model_name(meta)
+        if saved_name != self.identity.name:
+            raise UserError(
+                f"checkpoint folder {str(path)!r} holds a {saved_name} model, this run trains "
+                f"{self.identity.name}"
+            )
+        saved = meta.get("model_args", {})
+        diffs = [
+            f"{k}={saved.get(k)!r} (this run: {v!r})"
+            for k, v in self.identity.args.items()
+            if k != "max_seq_len" and saved.get(k) != v
+        ]
+        if diffs:
+            raise UserError(
+                f"checkpoint folder {str(path)!r} holds a different model: {', '.join(diffs)}"
+            )
+
+    # ------------------------------------------------------------------ saving
+    def should_save(self, step: int, last: bool) -> bool:
+        return self.cfg.enable and (last or step % self.cfg.interval == 0)
+
+    def save(self, step: int, last: bool = False, force_sync: bool = False) -> None:
+        """Save this step (collective: every rank calls it)."""
+        self.wait()  # one save in flight at a time; finishes the previous one
+        final = self.folder / f"step-{step}"
+        partial = self.folder / f"step-{step}.partial"
+        if self.is_main:
+            if partial.exists():
+                shutil.rmtree(partial)  # left by a killed save
+            partial.mkdir(parents=True)
+        dist.barrier()
+        start = time.perf_counter()
+        model_only = last and self.cfg.last_save_model_only
+        tensors, sidecar = self._snapshot(step, model_only)
+        writer = FileSystemWriter(str(partial))
+        if self.cfg.async_mode == "async" and not force_sync:
+            future = dcp.async_save(tensors, storage_writer=writer, process_group=self._async_group)
+            self._pending = (future, partial, final, sidecar, start)
+            logger.info(
+                "checkpoint: step %d staged in %.2f s, writing in the background",
+                step, time.perf_counter() - start,
+            )  # fmt: skip
+        else:
+            dcp.save(tensors, storage_writer=writer)
+            self._finish(partial, final, sidecar, start)
+
+    def _snapshot(self, step: int, model_only: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(tensors for DCP, sidecar fields): each state split into its tensor and plain parts."""
+        keys = ["model"] if model_only else list(self.states)
+        tensors: dict[str, Any] = {}
+        plain: dict[str, Any] = {}
+        for key in keys:
+            tensors[key], rest = _split(self.states[key].state_dict())
+            if rest:
+                plain[key] = rest
+        if model_only:
+            dtype = DTYPES[self.cfg.export_dtype]
+            tensors["model"] = {k: v.to(dtype) for k, v in tensors["model"].items()}
+        sidecar = {
+            "step": step,
+            "model_only": model_only,
+            "model_name": self.identity.name,
+            "model_args": self.identity.args,
+            **self.sidecar_fields,
+            "time": time.time(),
+            "states": plain,
+        }
+        return tensors, sidecar
+
+    def poll(self) -> None:
+        """Complete a background save if it has finished (cheap; call every step)."""
+        if self._pending is not None and self._pending[0].done():
+            self.wait()
+
+    def wait(self) -> None:
+        if self._pending is None:
+            return
+        future, partial, final, sidecar, start = self._pending
+        self._pending = None
+        future.result()
+        self._finish(partial, final, sidecar, start)
+
+    def _finish(self, partial: Path, final: Path, sidecar: dict[str, Any], start: float) -> None:
+        """Rank 0 marks the checkpoint complete once DCP returned: all shards and the
+        metadata are written by then."""
+        if not self.is_main:
+            return
+        write_sidecar(partial, sidecar)
+        if final.exists():  # an abandoned run's step-N (after a load_step rewind)
+            stale = final.with_name(final.name + ".stale")
+            shutil.rmtree(stale, ignore_errors=True)
+            os.replace(final, stale)
+            os.replace(partial, final)
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            os.replace(partial, final)
+        fsync_dir(final.parent)
+        self._apply_retention()
+        logger.info("checkpoint: saved %s in %.2f s", final, time.perf_counter() - start)
+
+    def _apply_retention(self) -> None:
+        keep = self.cfg.keep_latest_k
+        if keep <= 0:
+            return
+        for _, path in complete_checkpoints(self.folder)[:-keep]:
+            shutil.rmtree(path, ignore_errors=True)
+            logger.info("checkpoint: removed %s (keep_latest_k=%d)", path, keep)
+
+    def close(self) -> None:
+        self.wait()
+
+
+def _split(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(tensor leaves, every other leaf) of a nested dict, each keeping the nesting."""
+    tensors: dict[str, Any] = {}
+    plain: dict[str, Any] = {}
+    for k, v in state.items():
+        if isinstance(v, dict):
+            t, p = _split(v)
+            if t:
+                tensors[k] = t
+            if p:
+                plain[k] = p
+        elif isinstance(v, torch.Tensor):
+            tensors[k] = v
+        else:
+            plain[k] = v
+    return tensors, plain
+
+
+def _merge(tensors: dict[str, Any], plain: dict[str, Any] | None) -> dict[str, Any]:
+    out = dict(plain or {})
+    for k, v in tensors.items():
+        out[k] = _merge(v, out.get(k)) if isinstance(v, dict) else v
+    return out
+
+
+def _tensors_in(state: dict[str, Any], prefix: str, saved: dict[str, Any]) -> tuple[dict, list]:
+    """The tensor part of ``state`` that the checkpoint holds (DCP names nested keys with
+    dots), and the names of the tensors it lacks."""
+    tensors, _ = _split(state)
+    missing: list[str] = []
+
+    def keep(tree: dict[str, Any], path: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            name = f"{path}.{k}"
+            if isinstance(v, dict):
+                sub = keep(v, name)
+                if sub:
+                    out[k] = sub
+            elif name in saved:
+                out[k] = v
+            else:
+                missing.append(name)
+        return out
+
+    return keep(tensors, prefix), missing
+
+
+def _cause(e: BaseException) -> str:
+    """First line of the error behind a DCP failure (CheckpointException holds one per rank)."""
+    if isinstance(e, CheckpointException) and e.failures:
+        e = next(iter(e.failures.values()))[0]
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

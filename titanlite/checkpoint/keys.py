@@ -1,0 +1,12 @@
+"""The fixed keys of everything a checkpoint holds (plain Python: config checks use it)."""
+
+STATE_KEYS: tuple[str, ...] = (
+    "model",
+    "optimizer",
+    "lr_scheduler",
+    "dataloader",
+    "train_state",
+    "rng",
+)
+"""In this order ``titanlite.checkpoint.states.build_states`` builds the registry; the same
+names are what ``checkpoint.exclude_from_loading`` may list."""

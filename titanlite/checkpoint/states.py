@@ -1,0 +1,183 @@
+"""Everything resumable, as Stateful objects in one registry (``build_states``).
+
+The checkpointer saves each entry's ``state_dict()``: tensors (DTensors included) go into
+torch.distributed.checkpoint, sharded as trained; every other value goes into the JSON
+sidecar, written by rank 0, so plain values must be the same on every rank. State that
+differs per rank (RNG) is kept as tensors under a per-rank key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from titanlite.checkpoint.keys import STATE_KEYS
+
+logger = logging.getLogger(__name__)
+
+
+class ModelState(Stateful):
+    """The weights of every model part (one part, or one per pipeline stage), by name."""
+
+    def __init__(self, parts: Sequence[nn.Module]):
+        self.parts = list(parts)
+
+    def state_dict(self) -> dict[str, Any]:
+        merged: dict[str, Any] = {}
+        for part in self.parts:
+            merged.update(get_model_state_dict(part))
+        return merged
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for part in self.parts:
+            own = get_model_state_dict(part).keys()
+            set_model_state_dict(part, {k: state[k] for k in own})
+
+
+class OptimizerState(Stateful):
+    """The optimizers' per-parameter state (moments, step counts), by parameter name.
+
+    Hyper-parameters (param_groups) are not saved: they come from this run's config, so a
+    resume with another ``--optimizer.lr`` or weight decay takes effect.
+    """
+
+    def __init__(self, parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]):
+        self.parts = list(parts)
+        self.optimizers = list(optimizers)
+
+    def state_dict(self) -> dict[str, Any]:
+        merged: dict[str, Any] = {}
+        options = StateDictOptions(flatten_optimizer_state_dict=False)
+        for part, optimizer in zip(self.parts, self.optimizers, strict=True):
+            # torch creates the state lazily; a template to load into needs it.
+            _create_optimizer_state(part, optimizer)
+            merged.update(get_optimizer_state_dict(part, optimizer, options=options)["state"])
+        return {"state": merged}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for part, optimizer in zip(self.parts, self.optimizers, strict=True):
+            current = get_optimizer_state_dict(part, optimizer)
+            own = {k: state["state"][k] for k in current["state"]}
+            set_optimizer_state_dict(
+                part, optimizer, {"state": own, "param_groups": current["param_groups"]}
+            )
+
+
+def _create_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """One step with zero gradients and a zero learning rate: creates the state tensors and
+    changes no weight."""
+    if optimizer.state:
+        return
+    saved_lrs = [g["lr"] for g in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for group, lr in zip(optimizer.param_groups, saved_lrs, strict=True):
+        group["lr"] = lr
+
+
+class LRSchedulerState(Stateful):
+    """The schedule's position; its peak LR comes from this run's config on a resume."""
+
+    def __init__(self, schedulers: Sequence[torch.optim.lr_scheduler.LambdaLR]):
+        self.schedulers = list(schedulers)
+
+    def state_dict(self) -> dict[str, Any]:
+        # Every part's scheduler steps together: one state describes them all.
+        state = self.schedulers[0].state_dict()
+        state.pop("lr_lambdas", None)  # functions; rebuilt from the config
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for scheduler in self.schedulers:
+            # torch's state also restores the old base LRs; keeping the configured ones makes
+            # `--optimizer.lr` on a resume take effect (and changes nothing when unchanged).
+            base_lrs = list(scheduler.base_lrs)
+            scheduler.load_state_dict(dict(state, lr_lambdas=[None] * len(base_lrs)))
+            scheduler.base_lrs = base_lrs
+            epoch = scheduler.last_epoch
+            for group, base, factor in zip(
+                scheduler.optimizer.param_groups, base_lrs, scheduler.lr_lambdas, strict=True
+            ):
+                group["lr"] = base * factor(epoch)
+            scheduler._last_lr = [g["lr"] for g in scheduler.optimizer.param_groups]
+
+
+@dataclasses.dataclass
+class TrainState(Stateful):
+    step: int = 0
+    tokens_seen: int = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "tokens_seen": self.tokens_seen}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.tokens_seen = int(state["tokens_seen"])
+
+
+class RNGState(Stateful):
+    """This rank's CPU (and CUDA) generator state, under the rank's own key.
+
+    Resumed under another world size, ranks without a saved state keep their seeded
+    generators (titanlite draws nothing from them for data or initialization).
+    """
+
+    partial_ok = True
+
+    def __init__(self) -> None:
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+
+    def state_dict(self) -> dict[str, Any]:
+        own: dict[str, torch.Tensor] = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            own["cuda"] = torch.cuda.get_rng_state()
+        return {f"rank{self.rank}": own}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        own = state.get(f"rank{self.rank}")
+        if not own or "cpu" not in own:
+            logger.info(
+                "checkpoint has no RNG state for rank %d; keeping the seeded one", self.rank
+            )
+            return
+        torch.set_rng_state(own["cpu"])
+        if "cuda" in own and torch.cuda.is_available():
+            torch.cuda.set_rng_state(own["cuda"])
+
+
+def build_states(
+    parts: Sequence[nn.Module],
+    optimizers: Sequence[torch.optim.Optimizer],
+    schedulers: Sequence[torch.optim.lr_scheduler.LambdaLR],
+    dataloader: Stateful,
+    train_state: TrainState,
+) -> dict[str, Stateful]:
+    """The registry the checkpointer saves and restores, under the fixed STATE_KEYS."""
+    entries = (
+        ModelState(parts),
+        OptimizerState(parts, optimizers),
+        LRSchedulerState(schedulers),
+        dataloader,
+        train_state,
+        RNGState(),
+    )
+    return dict(zip(STATE_KEYS, entries, strict=True))

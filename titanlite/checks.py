@@ -1,0 +1,89 @@
+"""Checks of a run's config, layout and input files that need no torch.
+
+Used by the launcher's preflight (before any process starts), the dry run and the trainer
+alike, so a typo or an impossible layout is the same one-line error wherever it is found.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from titanlite import models
+from titanlite.config import ConfigError, JobConfig, gradient_accumulation_steps, resolve_degrees
+from titanlite.data.tokenizer import Tokenizer
+from titanlite.models.spec import ModelSpec
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def resolve_path(path: str) -> str:
+    """A relative path as given when it exists, else relative to the titanlite checkout (so
+    the shipped tokenizer is found from any working directory)."""
+    if not path or os.path.isabs(path) or os.path.exists(path):
+        return path
+    candidate = REPO_ROOT / path
+    return str(candidate) if candidate.exists() else path
+
+
+def model_overrides(cfg: JobConfig) -> dict[str, Any]:
+    """The model.* shape overrides the config sets (unset ones are None and left out)."""
+    every = {name for spec in models.REGISTRY.values() for name in spec.overrides}
+    return {k: getattr(cfg.model, k) for k in sorted(every) if getattr(cfg.model, k) is not None}
+
+
+def build_model_args(cfg: JobConfig, tokenizer_vocab: int) -> tuple[ModelSpec, Any]:
+    """The family's spec and the args of this run's model; ConfigError naming the key."""
+    m = cfg.model
+    spec = models.get(m.name)
+    vocab_size = m.vocab_size or tokenizer_vocab
+    if vocab_size < tokenizer_vocab:
+        raise ConfigError(
+            f"model.vocab_size {vocab_size} is smaller than the tokenizer's vocabulary "
+            f"({tokenizer_vocab})"
+        )
+    if m.flavor not in spec.flavors:
+        raise ConfigError(
+            f"model.flavor: {m.flavor!r} is not a {spec.name} flavor; valid: "
+            f"{', '.join(spec.flavors)}"
+        )
+    try:
+        args = spec.make_args(m.flavor, vocab_size, cfg.training.seq_len, model_overrides(cfg))
+    except ValueError as e:
+        raise ConfigError(f"model: {e}") from None
+    return spec, args
+
+
+def check(cfg: JobConfig, world_size: int) -> Tokenizer | None:
+    """Raise a UserError for anything about this run that is wrong before it starts;
+    returns the (valid) tokenizer, or None in a dry run given model.vocab_size and no
+    tokenizer file."""
+    degrees = resolve_degrees(cfg, world_size)
+    gradient_accumulation_steps(cfg, degrees)
+    tokenizer_path = resolve_path(cfg.model.tokenizer_path)
+    if cfg.job.dry_run and cfg.model.vocab_size and not os.path.exists(tokenizer_path):
+        tokenizer = None  # a dry run needs only the vocabulary size
+    else:
+        tokenizer = Tokenizer(tokenizer_path)
+    spec, args = build_model_args(cfg, tokenizer.vocab_size if tokenizer else cfg.model.vocab_size)
+    tp = degrees.tp
+    for key, value in spec.tp_divisible(args).items():
+        if value % tp:
+            raise ConfigError(
+                f"parallelism.tensor_parallel_degree {tp} does not divide model.{key} {value}"
+            )
+    if cfg.training.seq_len % tp:
+        raise ConfigError(
+            f"parallelism.tensor_parallel_degree {tp} does not divide training.seq_len "
+            f"{cfg.training.seq_len} (sequence parallelism splits the sequence)"
+        )
+    path = resolve_path(cfg.training.dataset_path)
+    if path and not os.path.exists(path):
+        raise ConfigError(f"training.dataset_path: {path!r} does not exist")
+    rank = cfg.job.dry_run_init_rank
+    if rank >= world_size:
+        raise ConfigError(
+            f"job.dry_run_init_rank {rank} is not a rank of this layout (world size {world_size})"
+        )
+    return tokenizer

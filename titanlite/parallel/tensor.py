@@ -1,0 +1,89 @@
+"""Tensor parallelism from a spec's plan: Megatron-style splits with sequence parallelism.
+
+The plan (``ModelSpec.tp_plan``) names a style per module; this file is the only place that
+turns those names into torch's ParallelStyle objects. Between sub-layers, activations stay
+sharded along the sequence (norms run on their shard); with loss parallel the logits stay
+sharded along the vocabulary and the cross-entropy is computed on the shards.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from titanlite.models.spec import ModelSpec, TPStyle
+
+logger = logging.getLogger(__name__)
+
+
+def _style(name: TPStyle, loss_parallel: bool) -> ParallelStyle:
+    if name == "embedding":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if name == "norm":
+        return SequenceParallel()
+    if name == "head_norm":
+        # Input [batch, seq, local heads, head_dim]: whole heads per rank, so the norm runs
+        # on the local tensor; seen as sharded along the heads, the replicated weight's
+        # gradient is summed over the TP ranks.
+        return SequenceParallel(sequence_dim=2, use_local_output=True)
+    if name == "gather_input":
+        return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    if name == "colwise":
+        return ColwiseParallel()
+    if name == "rowwise":
+        return RowwiseParallel(output_layouts=Shard(1))
+    if name == "output":
+        return ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    raise ValueError(f"unknown tensor-parallel style {name!r}")
+
+
+def shared_parameters(model: nn.Module) -> list[tuple[str, str]]:
+    """(alias, owner) module paths of parameters used under two names (tied weights)."""
+    first: dict[int, str] = {}
+    pairs = []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            pairs.append((name, first[id(param)]))
+        else:
+            first[id(param)] = name
+    return pairs
+
+
+def retie(model: nn.Module, pairs: list[tuple[str, str]]) -> None:
+    """Point each alias at its owner again after a transformation replaced both."""
+    for alias, owner in pairs:
+        module_path, _, attr = alias.rpartition(".")
+        setattr(model.get_submodule(module_path), attr, model.get_parameter(owner))
+
+
+def apply_tp(model: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
+    plan = spec.tp_plan
+    tied = shared_parameters(model)
+    parallelize_module(
+        model, tp_mesh, {path: _style(s, loss_parallel) for path, s in plan.root.items()}
+    )
+    block_plan = {path: _style(s, loss_parallel) for path, s in plan.block.items()}
+    for block in getattr(model, spec.blocks).values():
+        parallelize_module(block, tp_mesh, block_plan)
+    # Tied weights (embedding and output) are both split along the vocabulary, so the
+    # owner's shards serve the alias too.
+    retie(model, tied)
+    logger.info(
+        "applied tensor parallelism (degree %d) with sequence parallelism%s",
+        tp_mesh.size(), " and loss parallelism" if loss_parallel else "",
+    )  # fmt: skip

@@ -1,0 +1,330 @@
+"""The Trainer: the numbered set-up phases, then the loop. Reads top to bottom like a run.
+
+This and ``train.py`` are the only modules that know every layer: config, data, models (only
+through their spec), parallelisms (only through ``parallelize``), checkpoints (only through
+the Stateful registry) and metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from titanlite import distributed
+from titanlite.checkpoint.checkpointer import Checkpointer, ModelIdentity, will_load_weights
+from titanlite.checkpoint.states import TrainState, build_states
+from titanlite.checks import build_model_args, check, resolve_path
+from titanlite.config import (
+    JobConfig,
+    global_batch_size,
+    gradient_accumulation_steps,
+    resolve_degrees,
+)
+from titanlite.data import IGNORE_INDEX, DataSpec, build_dataloader
+from titanlite.dtypes import DTYPES
+from titanlite.metrics import MetricsLogger, format_duration, model_state_bytes, peak_flops
+from titanlite.models.layers import count_params
+from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from titanlite.parallel.dims import ParallelDims
+from titanlite.parallel.parallelize import parallelize
+from titanlite.profiling import profiling
+from titanlite.run_info import StartupClock, StepLogger, write_run_files
+
+logger = logging.getLogger("titanlite.train")
+
+
+class TrainingDiverged(RuntimeError):
+    pass
+
+
+class Preempted(RuntimeError):
+    """Stopped on a signal after saving; the same command resumes."""
+
+
+def data_spec(cfg: JobConfig) -> DataSpec:
+    t = cfg.training
+    return DataSpec(
+        dataset=t.dataset,
+        dataset_path=resolve_path(t.dataset_path),
+        dataset_config=t.dataset_config,
+        text_field=t.text_field,
+        seq_len=t.seq_len,
+        local_batch_size=t.local_batch_size,
+        seed=t.seed,
+        validation_fraction=cfg.validation.holdout_fraction,
+    )
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        self.startup = StartupClock()
+        t = cfg.training
+        # From the start: a preemption signal during a long start-up (model build, loading a
+        # checkpoint) must not kill the process before it can exit with EXIT_PREEMPTED.
+        self.preempt_signal: int | None = None
+        self._install_signal_handlers()
+
+        # 1. Processes, devices and the layout.
+        self.tokenizer = check(cfg, distributed.env_info()[1])
+        self.dist = distributed.init(t.seed)
+        self.device = self.dist.device
+        degrees = resolve_degrees(cfg, self.dist.world_size)
+        self.accum_steps = gradient_accumulation_steps(cfg, degrees)
+        self.global_batch = global_batch_size(cfg, degrees)
+        self.dims = ParallelDims(degrees, self.device.type)
+        if t.deterministic:
+            torch.use_deterministic_algorithms(True)
+        self.startup.mark("distributed")
+
+        # 2. Data (the tokenizer came with the checks): each rank reads its share of the same
+        # global batches.
+        self.data = data_spec(cfg)
+        self.train_loader = build_dataloader(
+            self.tokenizer, self.data, self.dims.batch_rank, self.dims.batch_size, "train"
+        )
+        self.startup.mark("data")
+
+        # 3. Model: meta device -> parallelize -> allocate and initialize the local shards
+        # (not at all when a checkpoint is about to overwrite them).
+        self.spec, self.model_args = build_model_args(cfg, self.tokenizer.vocab_size)
+        with torch.device("meta"):
+            model = self.spec.build(self.model_args)
+        self.num_params = count_params(model)
+        self.flops_per_token = self.spec.flops_per_token(self.model_args, t.seq_len)
+        checkpoint_folder = Path(cfg.job.dump_folder) / cfg.checkpoint.folder
+        self.model = parallelize(
+            model, self.spec, self.model_args, self.dims, cfg, self.device,
+            init_weights=not will_load_weights(cfg.checkpoint, checkpoint_folder),
+        )  # fmt: skip
+        self.params = [p for part in self.model.parts for p in part.parameters() if p.requires_grad]
+        self.startup.mark("model")
+
+        # 4. Optimization: one optimizer and schedule per model part.
+        self.optimizers = [build_optimizer(part, cfg, self.device) for part in self.model.parts]
+        self.lr_schedulers = [build_lr_scheduler(o, cfg) for o in self.optimizers]
+        self.state = TrainState()
+        self.model_state: dict[str, int] | None = None
+        self.startup.mark("optimizer")
+
+        # 5. Outputs.
+        self.dump_folder = Path(cfg.job.dump_folder)
+        self.train_dtype = DTYPES[t.mixed_precision_param]
+        self.peak_flops, self.peak_source = peak_flops(self.device, self.train_dtype)
+        if self.dist.is_main:
+            write_run_files(self)
+        self.metrics = MetricsLogger(
+            self.dump_folder,
+            self.dist.is_main,
+            _wandb_settings(cfg),
+            self.dump_folder / cfg.metrics.tensorboard_folder
+            if cfg.metrics.enable_tensorboard
+            else None,
+        )
+        self.step_logger = StepLogger(self)
+        self.startup.mark("outputs")
+
+        # 6. Checkpoints: everything resumable, registered once; resume exactly where the
+        # latest complete checkpoint left off.
+        states = build_states(
+            self.model.parts, self.optimizers, self.lr_schedulers, self.train_loader, self.state
+        )
+        self.checkpointer = Checkpointer(
+            states, cfg.checkpoint, checkpoint_folder,
+            ModelIdentity(self.spec.name, asdict(self.model_args)),
+            {"tokenizer": cfg.model.tokenizer_path}, self.dist.is_main,
+        )  # fmt: skip
+        if self.checkpointer.load():
+            self.metrics.log(
+                {"step": self.state.step, "kind": "resume", "time": time.time()},
+                f"resumed from checkpoint at step {self.state.step}",
+            )
+        self.train_iter = iter(self.train_loader)
+        self.startup.mark("checkpoint")
+
+    # ------------------------------------------------------------------ the loop
+    def train(self) -> None:
+        cfg = self.cfg
+        total = cfg.training.steps
+        start = time.perf_counter()
+        window_start, window_tokens, window_data_s = start, 0, 0.0
+        first_step = self.state.step + 1
+        with profiling(cfg, self.dump_folder, self.dist.rank, first_step) as profiler:
+            while self.state.step < total:
+                self.state.step += 1
+                t0 = time.perf_counter()
+                batches = [next(self.train_iter) for _ in range(self.accum_steps)]
+                window_data_s += time.perf_counter() - t0
+                with self.step_logger.sync_check():
+                    loss, n_tokens, grad_norm = self.train_step(batches)
+                if self.state.step == first_step:
+                    self.step_logger.startup_done(self.startup)
+                window_tokens += sum(x.numel() for x, _ in batches)
+                self.state.tokens_seen += n_tokens
+
+                step = self.state.step
+                if step == first_step or step % cfg.metrics.log_freq == 0 or step == total:
+                    now = time.perf_counter()
+                    eta = (now - start) / (step - first_step + 1) * (total - step)
+                    self._check_finite(loss, grad_norm)
+                    self.step_logger.log(
+                        loss, grad_norm, now - window_start, window_tokens, window_data_s, eta
+                    )
+                    window_start, window_tokens, window_data_s = time.perf_counter(), 0, 0.0
+                # Validation and checkpoint saves are not training: their time is left out
+                # of the tokens/s window.
+                paused = time.perf_counter()
+                if cfg.validation.enable and (step % cfg.validation.freq == 0 or step == total):
+                    self.validate()
+                if self._preemption_requested():
+                    if cfg.checkpoint.enable:
+                        self.checkpointer.save(step, force_sync=True)
+                    raise Preempted(
+                        f"stopped at step {step} on signal {self.preempt_signal}"
+                        + ("; checkpoint saved" if cfg.checkpoint.enable else "")
+                    )
+                if self.checkpointer.should_save(step, last=step == total):
+                    self.checkpointer.save(step, last=step == total)
+                self.checkpointer.poll()
+                window_start += time.perf_counter() - paused
+                profiler.step()
+        logger.info(
+            "training finished: %d steps in %s", total, format_duration(time.perf_counter() - start)
+        )
+
+    def train_step(
+        self, batches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """One optimizer step over the micro-batches; returns (global mean loss, global target
+        tokens, gradient norm before clipping)."""
+        loss_group = self.dims.group("loss")
+        # Every rank needs the global count of target tokens before backward: the loss is
+        # a sum divided by it, so accumulation, parallelism and padding never change it.
+        local_tokens = sum((y != IGNORE_INDEX).sum() for _, y in batches)
+        n_tokens = int(
+            distributed.all_reduce(torch.as_tensor(local_tokens), dist.ReduceOp.SUM, loss_group)
+        )
+        # Data-parallel engines average gradients over the batch ranks; undo that average.
+        scale = self.dims.batch_size / n_tokens
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (inputs, labels) in enumerate(batches):
+            inputs = inputs.to(self.device, non_blocking=True)
+            labels = labels.to(self.device, non_blocking=True)
+            with self.model.grad_sync(i == len(batches) - 1), self.model.train_context():
+                ce = cross_entropy_sum(self.model(inputs), labels)
+                (ce * scale).backward()
+            loss_sum += full(ce.detach())
+        grad_norm = clip_grad_norm_(self.params, self.cfg.training.max_norm)
+        self.last_lr = self.lr_schedulers[0].get_last_lr()[0]  # the rate this step uses
+        for optimizer, scheduler in zip(self.optimizers, self.lr_schedulers, strict=True):
+            optimizer.step()
+            scheduler.step()
+        if self.model_state is None:  # sizes are fixed after the first step creates them
+            self.model_state = model_state_bytes(self.model.parts, self.optimizers)
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        loss = distributed.all_reduce(loss_sum, dist.ReduceOp.SUM, loss_group) / n_tokens
+        return loss, n_tokens, grad_norm
+
+    def _check_finite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        if not torch.isfinite(loss).item() or not torch.isfinite(grad_norm).item():
+            raise TrainingDiverged(
+                f"loss became non-finite at step {self.state.step} (loss {float(loss)}, grad "
+                f"norm {float(grad_norm)}); try a lower optimizer.lr or a longer warmup"
+            )
+
+    # ------------------------------------------------------------------ preemption
+    def _install_signal_handlers(self) -> None:
+        """SIGTERM/SIGUSR1 (cluster preemption, SLURM's warning signal) finish the current
+        step, save, and exit with EXIT_PREEMPTED."""
+
+        def request_stop(signum: int, frame: object) -> None:
+            self.preempt_signal = signum
+
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, request_stop)
+
+    def _preemption_requested(self) -> bool:
+        """Whether any rank got a stop signal: all ranks must stop at the same step."""
+        if self.dist.world_size == 1:
+            return self.preempt_signal is not None
+        flag = torch.tensor(int(self.preempt_signal is not None))
+        stop = int(distributed.all_reduce(flag, dist.ReduceOp.MAX))
+        if stop and self.preempt_signal is None:
+            self.preempt_signal = -1  # another rank's signal
+        return bool(stop)
+
+    # ------------------------------------------------------------------ validation
+    @torch.no_grad()
+    def validate(self) -> None:
+        """Mean loss over the held-out documents (the same batches every time)."""
+        cfg = self.cfg
+        loss_group = self.dims.group("loss")
+        loader = build_dataloader(
+            self.tokenizer, self.data, self.dims.batch_rank, self.dims.batch_size, "validation"
+        )
+        self.model.train(False)
+        loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
+        count = torch.zeros((), device=self.device, dtype=torch.float64)
+        batches = 0
+        it = iter(loader)
+        while cfg.validation.steps == -1 or batches < cfg.validation.steps:
+            batch = next(it, None)
+            # Every rank must run the same number of forwards (FSDP gathers inside them).
+            have = distributed.all_reduce(
+                torch.tensor(int(batch is not None)), dist.ReduceOp.MIN, loss_group
+            )
+            if not int(have):
+                break
+            inputs, labels = (t.to(self.device) for t in batch)
+            with self.model.train_context():
+                loss_sum += full(cross_entropy_sum(self.model(inputs), labels)).double()
+            count += (labels != IGNORE_INDEX).sum()
+            batches += 1
+        self.model.train(True)
+        loss_sum = distributed.all_reduce(loss_sum, dist.ReduceOp.SUM, loss_group)
+        count = distributed.all_reduce(count, dist.ReduceOp.SUM, loss_group)
+        if int(count) == 0:
+            logger.warning("validation split is empty; no validation loss")
+            return
+        val_loss = float(loss_sum / count)
+        self.metrics.log(
+            {"step": self.state.step, "kind": "validation", "val_loss": val_loss,
+             "val_tokens": int(count)},
+            f"validation at step {self.state.step} | val_loss {val_loss:7.4f} | "
+            f"{int(count):,} tokens",
+        )  # fmt: skip
+
+    def close(self) -> None:
+        self.checkpointer.close()
+        self.metrics.close()
+
+
+def _wandb_settings(cfg: JobConfig) -> dict | None:
+    if not cfg.metrics.enable_wandb:
+        return None
+    return {
+        "project": cfg.metrics.wandb_project,
+        "name": cfg.metrics.wandb_run_name or cfg.job.description,
+        "config": {s: asdict(getattr(cfg, s)) for s in asdict(cfg)},
+    }
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed token cross-entropy (the caller divides by the global target count)."""
+    return F.cross_entropy(
+        logits.flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX
+    )
+
+
+def full(value: torch.Tensor) -> torch.Tensor:
+    """A plain tensor from a possibly distributed one (a loss under loss parallel)."""
+    return value.full_tensor() if isinstance(value, DTensor) else value

@@ -1,24 +1,12 @@
 """Bucketed, overlapped data parallelism: the algorithm of the PyTorch DDP paper, in Python.
 
-``BucketedDDP`` wraps a module that is replicated on every rank of a data-parallel process group
-and averages its gradients over that group during backward:
-
-1. At construction it checks that all ranks hold the same parameter shapes, broadcasts
-   parameters and buffers from the group's first rank, and packs the gradients of the
-   parameters into flat *buckets* (reverse registration order, grouped by dtype and device,
-   a small first bucket, then ``bucket_cap_mb``). With ``gradient_as_bucket_view`` each
-   ``param.grad`` is a view into its bucket, so bucketing costs no extra memory.
-2. A post-accumulate-grad hook on every parameter marks it ready and divides its gradient by
-   the group size (in place if ``.grad`` is already its bucket slot, else fused with the copy
-   into the slot). A bucket whose parameters are all ready is all-reduced asynchronously as
-   soon as every lower-index bucket has been launched, so communication overlaps the rest of
-   backward and every rank issues the same collectives in the same order.
-3. A callback queued on the autograd engine runs when backward ends: it waits for the
-   reductions and makes sure every used parameter's ``.grad`` holds the average.
-4. After the first synchronised iteration the buckets are rebuilt once, in the order in which
-   gradients actually became ready on the group's first rank (broadcast, so all ranks agree).
-
-See docs/ddp.md for how to use it and how to pick ``bucket_cap_mb``.
+``BucketedDDP`` wraps a module replicated on every rank of a data-parallel group and averages
+its gradients over that group during backward: gradients are packed into flat buckets (views,
+no extra memory), each bucket is all-reduced asynchronously as soon as its gradients are ready
+(in bucket order, so every rank issues the same collectives), a callback at the end of
+backward waits for the reductions, and after the first iteration the buckets are rebuilt in the
+observed ready order. docs/ddp.md describes the algorithm step by step, how to use it and how
+to pick ``bucket_cap_mb``.
 """
 
 from __future__ import annotations
@@ -29,7 +17,6 @@ import logging
 import time
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,12 +26,16 @@ from torch.distributed.tensor import DTensor
 
 from titanlite.parallel.comm_hooks import CommHook, GradBucket, bf16_compress_hook
 from titanlite.parallel.ddp_support import (
+    Iteration,
     IterationStats,
+    allocate_buckets,
     assign_buckets,
     broadcast_coalesced,
     check_same_parameters,
+    grad_like,
     local_tensor,
     reached_leaves,
+    trainable_parameters,
 )
 
 __all__ = [
@@ -105,16 +96,7 @@ class BucketedDDP(nn.Module):
         self.broadcast_buffers = broadcast_buffers
         self.gradient_as_bucket_view = gradient_as_bucket_view
 
-        # Every trainable parameter once (tied weights are one tensor), in registration order.
-        names: list[str] = []
-        params: list[torch.Tensor] = []
-        seen: set[int] = set()
-        for module_name, submodule in module.named_modules():
-            for param_name, param in submodule.named_parameters(recurse=False):
-                if param.requires_grad and id(param) not in seen:
-                    seen.add(id(param))
-                    names.append(f"{module_name}.{param_name}" if module_name else param_name)
-                    params.append(param)
+        names, params = trainable_parameters(module)
         if not params:
             raise ValueError("BucketedDDP: the module has no parameter that requires grad")
         self._param_names = names
@@ -138,7 +120,7 @@ class BucketedDDP(nn.Module):
         self._require_sync = True
         # State of the synchronised iteration in flight (None between iterations). A plain
         # object, not module attributes: nn.Module.__setattr__ is slow on the hot path.
-        self._iteration: _Iteration | None = None
+        self._iteration: Iteration | None = None
         self._last_stats: IterationStats | None = None
         # Bucket rebuild: record the ready order during the first synchronised backward.
         self._record_order = True
@@ -256,39 +238,9 @@ class BucketedDDP(nn.Module):
         assignment = assign_buckets(
             sizes, keys, order, self.first_bucket_cap_bytes, self.bucket_cap_bytes
         )
-        self._buckets: list[_Bucket] = []
-        self._slots: list[torch.Tensor] = [torch.empty(0)] * len(locals_)
-        self._bucket_of: list[int] = [0] * len(locals_)
-        with torch.no_grad():
-            for bucket_index, indices in enumerate(assignment):
-                first = locals_[indices[0]]
-                numels = [locals_[i].numel() for i in indices]
-                buffer = torch.zeros(sum(numels), dtype=first.dtype, device=first.device)
-                offset = 0
-                for i, numel in zip(indices, numels, strict=True):
-                    slot = buffer[offset : offset + numel].view(locals_[i].shape)
-                    offset += numel
-                    self._slots[i] = slot
-                    self._bucket_of[i] = bucket_index
-                    grad = self._params[i].grad
-                    if grad is not None and self.gradient_as_bucket_view:
-                        slot.copy_(local_tensor(grad))
-                        self._params[i].grad = self._wrap_like_param(i, slot)
-                self._buckets.append(_Bucket(indices, buffer))
-
-    def _wrap_like_param(self, index: int, local: torch.Tensor) -> torch.Tensor:
-        """A gradient tensor for parameter ``index`` whose (local) storage is ``local``."""
-        param = self._params[index]
-        if isinstance(param, DTensor):
-            return DTensor.from_local(
-                local,
-                param.device_mesh,
-                param.placements,
-                run_check=False,
-                shape=param.shape,
-                stride=param.stride(),
-            )
-        return local
+        self._buckets, self._slots, self._bucket_of = allocate_buckets(
+            assignment, self._params, locals_, self.gradient_as_bucket_view
+        )
 
     def _rebuild_buckets(self) -> None:
         """Re-bucket in the observed ready order, taking the group's first rank's order."""
@@ -308,7 +260,7 @@ class BucketedDDP(nn.Module):
         stats = IterationStats([b.buffer.numel() * b.buffer.element_size() for b in self._buckets])
         stats.bucket_launch_s = [None] * len(self._buckets)
         stats.bucket_done_s = [None] * len(self._buckets)
-        it = _Iteration(len(self._params), [len(b.indices) for b in self._buckets], stats)
+        it = Iteration(len(self._params), [len(b.indices) for b in self._buckets], stats)
         self._iteration = it
         if self._record_order:
             self._ready_order = []
@@ -350,7 +302,7 @@ class BucketedDDP(nn.Module):
             self._ready_order.append(index)
         self._mark_ready(it, index)
 
-    def _mark_ready(self, it: _Iteration, index: int) -> None:
+    def _mark_ready(self, it: Iteration, index: int) -> None:
         """Put parameter ``index``'s local gradient into its slot; launch what is ready."""
         it.ready[index] = True
         slot = self._slots[index]
@@ -380,7 +332,7 @@ class BucketedDDP(nn.Module):
                 else:
                     slot.copy_(local)
                 if self.gradient_as_bucket_view:
-                    param.grad = self._wrap_like_param(index, slot)
+                    param.grad = grad_like(self._params[index], slot)
                 else:
                     it.fixups.append(index)
         bucket_index = self._bucket_of[index]
@@ -392,7 +344,7 @@ class BucketedDDP(nn.Module):
                 self._launch(it, it.next_to_launch)
                 it.next_to_launch += 1
 
-    def _launch(self, it: _Iteration, bucket_index: int) -> None:
+    def _launch(self, it: Iteration, bucket_index: int) -> None:
         bucket = self._buckets[bucket_index]
         it.stats.bucket_launch_s[bucket_index] = time.perf_counter()
         if self._comm_hook is None:
@@ -447,7 +399,7 @@ class BucketedDDP(nn.Module):
             slot = self._slots[index]
             if param.grad is None:
                 local = slot if self.gradient_as_bucket_view else slot.clone()
-                param.grad = self._wrap_like_param(index, local)
+                param.grad = grad_like(self._params[index], local)
             else:
                 local = local_tensor(param.grad)
                 if local.data_ptr() != slot.data_ptr():
@@ -473,41 +425,6 @@ class BucketedDDP(nn.Module):
             "find_unused_parameters=True, or run forward passes whose outputs are not "
             "backpropagated under torch.no_grad()."
         )
-
-
-class _Iteration:
-    """Bookkeeping of one synchronised iteration, from forward to the end of backward."""
-
-    __slots__ = (
-        "ready",
-        "pending",
-        "next_to_launch",
-        "next_to_check",
-        "futures",
-        "fixups",
-        "callback_queued",
-        "used_map",
-        "used_work",
-        "stats",
-    )
-
-    def __init__(self, num_params: int, bucket_sizes: list[int], stats: IterationStats) -> None:
-        self.ready = [False] * num_params
-        self.pending = bucket_sizes
-        self.next_to_launch = 0
-        self.next_to_check = 0
-        self.futures: list[torch.futures.Future | None] = [None] * len(bucket_sizes)
-        self.fixups: list[int] = []
-        self.callback_queued = False
-        self.used_map: torch.Tensor | None = None
-        self.used_work: Any = None
-        self.stats = stats
-
-
-@dataclass
-class _Bucket:
-    indices: list[int]
-    buffer: torch.Tensor
 
 
 def _grad_hook(engine_ref: weakref.ref, index: int, param: torch.Tensor) -> None:

@@ -1,7 +1,8 @@
 """Building blocks of the data-parallel engine in ddp.py that need no engine state.
 
-Bucket assignment, the per-iteration timing record, graph traversal for unused parameters, and
-the construction-time collectives (parameter agreement check, coalesced broadcast).
+Parameter collection, bucket assignment and allocation, the per-iteration bookkeeping and
+timing record, graph traversal for unused parameters, and the construction-time collectives
+(parameter agreement check, coalesced broadcast).
 """
 
 from __future__ import annotations
@@ -13,12 +14,28 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 _MIB = 1024 * 1024
 # Construction and buffer broadcasts are flattened into chunks of at most this size, so a
 # large model needs a few big collectives instead of one per tensor.
 _BROADCAST_CHUNK_BYTES = 250 * _MIB
+
+
+def trainable_parameters(module: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
+    """(names, parameters) that require grad, each once (tied weights are one tensor), in
+    ``named_modules()`` / ``named_parameters(recurse=False)`` registration order."""
+    names: list[str] = []
+    params: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for module_name, submodule in module.named_modules():
+        for param_name, param in submodule.named_parameters(recurse=False):
+            if param.requires_grad and id(param) not in seen:
+                seen.add(id(param))
+                names.append(f"{module_name}.{param_name}" if module_name else param_name)
+                params.append(param)
+    return names, params
 
 
 def assign_buckets(
@@ -61,6 +78,88 @@ def assign_buckets(
     buckets.extend(open_buckets.values())
     buckets.sort(key=lambda bucket: position[bucket[0]])
     return buckets
+
+
+@dataclass
+class Bucket:
+    indices: list[int]
+    buffer: torch.Tensor
+
+
+def grad_like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """A gradient tensor for ``param`` whose (local) storage is ``local``."""
+    if isinstance(param, DTensor):
+        return DTensor.from_local(
+            local,
+            param.device_mesh,
+            param.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        )
+    return local
+
+
+@torch.no_grad()
+def allocate_buckets(
+    assignment: list[list[int]],
+    params: Sequence[torch.Tensor],
+    locals_: Sequence[torch.Tensor],
+    as_view: bool,
+) -> tuple[list[Bucket], list[torch.Tensor], list[int]]:
+    """One flat buffer per bucket: (buckets, each parameter's slot view, its bucket index).
+
+    With ``as_view`` an existing gradient is copied into its slot and ``.grad`` re-pointed
+    at it, so gradients live in the buckets from then on.
+    """
+    buckets: list[Bucket] = []
+    slots: list[torch.Tensor] = [torch.empty(0)] * len(locals_)
+    bucket_of: list[int] = [0] * len(locals_)
+    for bucket_index, indices in enumerate(assignment):
+        first = locals_[indices[0]]
+        numels = [locals_[i].numel() for i in indices]
+        buffer = torch.zeros(sum(numels), dtype=first.dtype, device=first.device)
+        offset = 0
+        for i, numel in zip(indices, numels, strict=True):
+            slot = buffer[offset : offset + numel].view(locals_[i].shape)
+            offset += numel
+            slots[i] = slot
+            bucket_of[i] = bucket_index
+            grad = params[i].grad
+            if grad is not None and as_view:
+                slot.copy_(local_tensor(grad))
+                params[i].grad = grad_like(params[i], slot)
+        buckets.append(Bucket(indices, buffer))
+    return buckets, slots, bucket_of
+
+
+class Iteration:
+    """Bookkeeping of one synchronised iteration, from forward to the end of backward."""
+
+    __slots__ = (
+        "ready",
+        "pending",
+        "next_to_launch",
+        "next_to_check",
+        "futures",
+        "fixups",
+        "callback_queued",
+        "used_map",
+        "used_work",
+        "stats",
+    )
+
+    def __init__(self, num_params: int, bucket_sizes: list[int], stats: IterationStats) -> None:
+        self.ready = [False] * num_params
+        self.pending = bucket_sizes
+        self.next_to_launch = 0
+        self.next_to_check = 0
+        self.futures: list[torch.futures.Future | None] = [None] * len(bucket_sizes)
+        self.fixups: list[int] = []
+        self.callback_queued = False
+        self.used_map: torch.Tensor | None = None
+        self.used_work: Any = None
+        self.stats = stats
 
 
 @dataclass

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from titanlite.metrics import relative_difference
+from titanlite.compare import relative_difference
 
 EXIT_OK, EXIT_DIFFERENT, EXIT_BAD_INPUT = 0, 1, 2
 DEFAULT_RTOL = 1e-4

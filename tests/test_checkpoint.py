@@ -21,14 +21,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import train_scenarios
 from conftest import REPO, subprocess_env
+from pool import get_pool
 
 from titanlite.checkpoint.folders import read_sidecar
 from titanlite.errors import EXIT_PREEMPTED, UserError
 
 pytestmark = pytest.mark.slow
 
-CONFIG = "train_configs/debug_model.toml"
+CONFIG = str(REPO / "train_configs" / "debug_model.toml")
 STEPS = 12
 # Global batch 4 x 64 tokens, 2 layers: a few seconds per step on a busy 2-core machine.
 SMALL = [
@@ -48,15 +50,15 @@ def trainer_cmd(out: Path, *args: str) -> list[str]:
     ]  # fmt: skip
 
 
-def run(out: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        trainer_cmd(out, *args),
-        cwd=REPO,
-        env=subprocess_env(out.parent, **env),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
+def run(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`python -m titanlite.train ...` as one rank of the reused worker pool: the entry point
+    itself (exit status, one-line errors), without a process start-up per run. The output is
+    stdout and stderr together, in both fields."""
+    pool = get_pool(1)
+    argv = trainer_cmd(out, *args)[3:]  # what follows `python -m titanlite.train`
+    status = pool.run(train_scenarios.main, argv=argv, timeout=TIMEOUT)[0]
+    output = pool.last_output[0]
+    return subprocess.CompletedProcess(argv, status, output, output)
 
 
 class Started:

@@ -627,3 +627,22 @@ def test_train_help_lists_every_section(processes: dict[str, subprocess.Complete
     assert result.stdout.strip() == help_text().strip()
     for section in sections():
         assert f"\n[{section}]\n" in result.stdout
+
+
+def test_model_names_in_the_schema_are_the_registered_families() -> None:
+    import typing
+
+    from titanlite import models
+    from titanlite.config.job_config import Model
+
+    names = typing.get_args(typing.get_type_hints(Model)["name"])
+    assert set(names) == set(models.REGISTRY)
+
+
+def test_override_of_another_family_is_a_config_error_naming_the_keys() -> None:
+    cfg = load_config(["--model.name", "qwen3", "--model.multiple_of", "64"])
+    with pytest.raises(ConfigError, match="multiple_of does not apply to qwen3.*head_dim"):
+        build_model_args(cfg, 4096)
+    cfg = load_config(["--model.head_dim", "64"])  # llama3 derives head_dim
+    with pytest.raises(ConfigError, match="head_dim does not apply to llama3"):
+        build_model_args(cfg, 4096)

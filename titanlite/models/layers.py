@@ -35,7 +35,7 @@ class RMSNorm(nn.Module):
 def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
     """cos and sin of every (position, frequency) pair: shape [max_seq_len, head_dim/2, 2]."""
     # Always computed on the CPU (then moved): arange on the meta device would import torch's
-    # compiler stack (~2 s) just to build a model whose buffers are filled in later anyway.
+    # compiler stack (seconds) just to build a model whose buffers are filled in later anyway.
     cpu = torch.device("cpu")
     freqs = 1.0 / (
         theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=cpu) / head_dim)
@@ -143,7 +143,7 @@ class Decoder(nn.Module):
         args.check()
         self.args = args
         # Given its weight, Embedding skips its own normal_ init: on the meta device that op
-        # imports torch's Python decompositions (~2 s at start-up); the initializer sets it.
+        # imports torch's Python decompositions (seconds at start-up); the initializer sets it.
         self.tok_embeddings = nn.Embedding(
             args.vocab_size, args.dim, _weight=torch.empty(args.vocab_size, args.dim)
         )

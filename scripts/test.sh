@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Run titanlite's tests, installing what they need on first use (scripts/setup_env.sh --dev).
 #
-#   scripts/test.sh                 everything (20-25 minutes on 2 CPU cores)
-#   scripts/test.sh -m "not slow"   the fast subset (about 1.5 minutes)
+#   scripts/test.sh                 everything (about 11 minutes on 2 CPU cores)
+#   scripts/test.sh -m "not slow"   the fast subset (about 20 seconds)
 #   scripts/test.sh tests/test_ddp.py -x    any pytest arguments
 #
 # Also runs `ruff check` and `ruff format --check` on the whole repo when given no arguments.

@@ -153,3 +153,29 @@ def test_export_import_through_transformers_gives_equal_logits(tmp_path: Path, t
     assert back.spec.name == "qwen3" and back.args == model.args
     with torch.no_grad():
         assert torch.equal(back.model(x), ours)
+
+
+@pytest.mark.slow
+def test_trained_checkpoint_exports_to_transformers(tmp_path: Path) -> None:
+    """A checkpoint the trainer wrote (sidecar names the family) exports to a folder that
+    Qwen3ForCausalLM loads with the logits of the trained weights."""
+    transformers = pytest.importorskip("transformers")
+    import train_scenarios
+    from pool import get_pool
+
+    run = tmp_path / "run"
+    argv = [
+        "--model.name", "qwen3", "--model.n_layers", "2", "--training.steps", "3",
+        "--training.seq_len", "32", "--training.local_batch_size", "2",
+        "--validation.enable", "false", "--job.dump_folder", str(run),
+    ]  # fmt: skip
+    get_pool(1).run(train_scenarios.train, argv=argv)
+    ckpt = run / "checkpoint" / "step-3"
+    assert json.loads((ckpt / "titanlite.json").read_text())["model_name"] == "qwen3"
+    assert convert_to_hf.main([str(ckpt), str(tmp_path / "hf")]) == 0
+    trained = load_checkpoint_model(ckpt)
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    x = torch.randint(4, 4096, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, theirs = trained.model(x), hf.eval()(x).logits.float()
+    assert (ours - theirs).abs().max().item() <= 1e-5 * max(ours.abs().max().item(), 1.0)

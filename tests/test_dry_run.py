@@ -1,0 +1,62 @@
+"""--job.dry_run: the layout of a large job checked in one local process, and with
+--job.dry_run_init_rank one rank's real shards allocated and initialized on this CPU."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from conftest import REPO, run_train
+from test_config import one_line_error, run_preflight
+
+CONFIG_405B = str(REPO / "train_configs" / "llama3_405b.toml")
+
+
+@pytest.mark.slow
+def test_multi_node_dry_run_needs_no_rendezvous_and_sizes_the_shards(tmp_path: Path) -> None:
+    """The README's command as pasted: NNODES > 1 without RDZV_ENDPOINT is fine for a dry run."""
+    result = run_train(
+        tmp_path, CONFIG_405B, "--job.dry_run", "--model.vocab_size", "128256",
+        ngpu=8, NNODES="256",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "dry run: llama3/405B on 2048 ranks" in out
+    assert "mesh            dp_shard=256 x tp=8" in out
+    assert "405,853,388,800" in out
+    assert "init rank" not in out  # nothing allocated without dry_run_init_rank
+
+
+@pytest.mark.slow
+def test_dry_run_init_rank_allocates_and_initializes_one_ranks_shards(tmp_path: Path) -> None:
+    # Llama 3 1B on 64 ranks (dp_shard 16 x tp 4): ~19 M elements for rank 37.
+    result = run_train(
+        tmp_path, CONFIG_405B, "--model.flavor", "1B", "--job.dry_run",
+        "--model.vocab_size", "128256", "--parallelism.tensor_parallel_degree", "4",
+        "--job.dry_run_init_rank", "37", ngpu=8, NNODES="8",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    local = int(re.search(r"([\d,]+) on rank 37", out).group(1).replace(",", ""))
+    init = re.search(r"init rank 37\s+([\d,]+) elements \(([\d.]+) GiB\).* in ([\d.]+) s", out)
+    assert init, out
+    assert int(init.group(1).replace(",", "")) == local  # every local element, no more
+    assert abs(float(init.group(2)) - local * 4 / 2**30) < 1e-3
+    ratio = float(re.search(r"= ([\d.]+) x the shard", out).group(1))
+    assert 0.5 < ratio < 2.0, out  # the issue's bound: peak memory under twice the shard
+    assert "values all finite" in out
+
+
+def test_init_rank_outside_the_layout_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [CONFIG_405B, "--job.dry_run", "--model.vocab_size", "128256"]
+    line = one_line_error(
+        *run_preflight([*argv, "--job.dry_run_init_rank", "64"], monkeypatch, capsys, world=64)
+    )
+    assert "job.dry_run_init_rank 64" in line and "world size 64" in line
+    line = one_line_error(
+        *run_preflight([CONFIG_405B, "--job.dry_run_init_rank", "3"], monkeypatch, capsys, world=64)
+    )
+    assert "needs --job.dry_run" in line

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, run_train
-from test_config import one_line_error, run_preflight
+from test_preflight import one_line_error, run_preflight
 
 CONFIG_405B = str(REPO / "train_configs" / "llama3_405b.toml")
 

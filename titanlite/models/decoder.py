@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from titanlite.models.spec import InitRule, TensorParallelPlan
+from titanlite.models.spec import InitRule, ModelSpec, TensorParallelPlan
 
 # Megatron-style TP with sequence parallelism: column-wise q/k/v and gate/up projections,
 # row-wise output projections, so each sub-layer needs one all-gather in and one
@@ -81,3 +81,27 @@ def check_decoder_shape(args: Any) -> None:
         raise ValueError(f"n_heads {args.n_heads} is not divisible by n_kv_heads {args.kv_heads}")
     if args.vocab_size <= 0:
         raise ValueError("vocab_size must be set (it comes from the tokenizer)")
+
+
+def decoder_spec(
+    name: str,
+    package: str,
+    args_cls: type,
+    flavors: dict[str, Any],
+    overrides: tuple[str, ...],
+    tp_plan: TensorParallelPlan = DECODER_TP_PLAN,
+) -> ModelSpec:
+    """The spec of a decoder family whose modules live in ``package.model`` and whose Hugging
+    Face adapter in ``package.hf``, with the shared init rules, FLOPs and TP constraints."""
+    return ModelSpec(
+        name=name,
+        args_cls=args_cls,
+        flavors=flavors,
+        model_module=f"{package}.model",
+        hf_module=f"{package}.hf",
+        tp_plan=tp_plan,
+        flops_per_token=decoder_flops_per_token,
+        init_rule=decoder_init_rule,
+        tp_divisible=decoder_tp_divisible,
+        overrides=overrides,
+    )

@@ -113,11 +113,12 @@ main() {
     --role rank --tee 3 -m titanlite.train --job.config_file "$config" "$@"
   status=$?
 
-  # A rank that stopped on bad input or divergence wrote "STATUS<TAB>message": repeat it last,
-  # after torchrun's own report, and exit with that status.
+  # A rank that stopped on bad input or divergence wrote "STATUS<TAB>message" lines: repeat
+  # them last, after torchrun's own report (once each: every rank writes the same), and exit
+  # with the first status.
   if [ "$status" -ne 0 ] && [ -s "$errors" ]; then
-    IFS=$'\t' read -r code message <"$errors"
-    echo "$message" >&2
+    IFS=$'\t' read -r code _ <"$errors"
+    awk -F '\t' -v code="$code" '$1 == code && !seen[$2]++ { print $2 }' "$errors" >&2
     exit "$code"
   fi
   exit "$status"

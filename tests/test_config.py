@@ -296,6 +296,48 @@ def test_boundary_values_are_accepted() -> None:
     assert cfg.validation.holdout_fraction == 0.0
 
 
+# --- every problem at once --------------------------------------------------------------------
+
+
+def test_every_problem_of_file_and_command_line_is_reported_at_once(tmp_path: Path) -> None:
+    """Two unknown keys, an unknown section, a wrong type and an out-of-range value in the file,
+    an unknown option and a bad value on the command line: one ConfigError, a line for each."""
+    path = write_toml(
+        tmp_path,
+        '[training]\nstpes = 3\nseq_len = "long"\nlocal_batch_size = 0\n'
+        "[optimizer]\nlrr = 1e-3\n[trainer]\nsteps = 1\n",
+    )
+    argv = ["--job.config_file", path, "--metrics.log_frq", "5", "--training.seed", "-1"]
+    with pytest.raises(ConfigError) as info:
+        load_config(argv)
+    lines = str(info.value).split("\n")
+    assert lines == info.value.problems and len(lines) == 7, lines
+    expected = [
+        "did you mean 'steps'",
+        "training.seq_len: expected an integer",
+        "training.local_batch_size: must be at least 1",
+        "did you mean 'lr'",
+        "[trainer]",
+        "--metrics.log_frq",
+        "training.seed: must be in [0, 2**32)",
+    ]
+    for want in expected:
+        assert sum(want in line for line in lines) == 1, (want, lines)
+
+
+def test_a_key_that_failed_is_not_reported_again_by_validation(tmp_path: Path) -> None:
+    """A value that could not be read keeps its (valid) default, so its range check is quiet."""
+    path = write_toml(tmp_path, '[training]\nsteps = "many"\n')
+    assert str(config_error(["--job.config_file", path])).count("training.steps") == 1
+
+
+def test_unknown_option_does_not_swallow_the_next_option() -> None:
+    """An unknown --key still steps over its value: the option after it is parsed as usual."""
+    message = config_error(["--training.stpes", "3", "--training.seq_len", "x"])
+    assert message.count("\n") == 1 and "--training.stpes" in message
+    assert "--training.seq_len: expected an integer, got 'x'" in message
+
+
 # --- --help documents every field -------------------------------------------------------------
 
 

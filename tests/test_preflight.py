@@ -218,15 +218,32 @@ def test_preflight_bad_model_shape(monkeypatch: pytest.MonkeyPatch, capsys) -> N
     assert "n_kv_heads 3" in line
 
 
+def test_preflight_reports_every_layout_and_file_problem(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """The world size, the tokenizer and the data folder are wrong at once: three lines."""
+    missing_tok, missing_data = str(tmp_path / "no.model"), str(tmp_path / "corpus")
+    argv = [GOOD_CONFIG, "--parallelism.data_parallel_replicate_degree", "2"]
+    argv += ["--model.tokenizer_path", missing_tok, "--training.dataset_path", missing_data]
+    rc, stderr = run_preflight(argv, monkeypatch, capsys, world=3)
+    assert rc == 2 and "Traceback" not in stderr
+    lines = stderr.splitlines()
+    assert len(lines) == 3 and all(line.startswith("titanlite: error: ") for line in lines)
+    assert "world size 3" in lines[0] and missing_tok in lines[1] and missing_data in lines[2]
+
+
 @pytest.fixture(scope="module")
 def processes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.CompletedProcess]:
     """The real entry points as processes, run concurrently."""
     bad_key = tmp_path_factory.mktemp("preflight") / "bad_key.toml"
     bad_key.write_text("[training]\nstesp = 5\n")
+    many = bad_key.with_name("many.toml")
+    many.write_text('[training]\nstesp = 5\nseq_len = "x"\n[metrics]\nlog_freq = 0\n')
     env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
     cases = {
         "unknown_key": ["-m", "titanlite.preflight", "--job.config_file", str(bad_key)],
         "good": ["-m", "titanlite.preflight", "--job.config_file", GOOD_CONFIG],
+        "many_problems": ["-m", "titanlite.preflight", "--job.config_file", str(many)],
         "train_help": ["-m", "titanlite.train", "--help"],
     }
     procs = {
@@ -252,6 +269,15 @@ def test_preflight_process_unknown_key(processes: dict[str, subprocess.Completed
     line = one_line_error(result.returncode, result.stderr)
     assert "did you mean 'steps'" in line
     assert result.stdout == ""
+
+
+def test_preflight_process_many_problems(processes: dict[str, subprocess.CompletedProcess]) -> None:
+    result = processes["many_problems"]
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 3 and all(line.startswith("titanlite: error: ") for line in lines)
+    for want in ("stesp", "training.seq_len", "metrics.log_freq"):
+        assert sum(want in line for line in lines) == 1, (want, lines)
 
 
 def test_preflight_process_good_config(processes: dict[str, subprocess.CompletedProcess]) -> None:

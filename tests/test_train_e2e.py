@@ -98,13 +98,17 @@ def test_bad_config_is_one_line_and_status_2(tmp_path: Path) -> None:
 
 
 def test_error_found_inside_the_ranks_still_exits_2(tmp_path: Path) -> None:
-    """An empty data folder passes the launcher's checks but not the loader's."""
+    """An empty data folder passes the launcher's checks but not the loader's: both ranks
+    report it, and the launcher repeats it once, last, after torchrun's report."""
     empty = tmp_path / "empty"
     empty.mkdir()
-    result = run_train(tmp_path, "--training.dataset_path", str(empty), "--training.steps", "2")
+    args = ("--training.dataset_path", str(empty), "--training.steps", "2")
+    result = run_train(tmp_path, *args, ngpu=2)
     assert result.returncode == 2
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("titanlite: error:") and str(empty) in last
+    # Both ranks wrote it to the launcher's error file; rank 0's own output says it too.
+    assert result.stderr.splitlines().count(last) == 1, result.stderr[-3000:]
 
 
 def test_divergence_stops_with_a_message_and_status_3(tmp_path: Path) -> None:

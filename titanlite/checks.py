@@ -13,6 +13,7 @@ from typing import Any
 from titanlite import models
 from titanlite.config import ConfigError, JobConfig, gradient_accumulation_steps, resolve_degrees
 from titanlite.data.tokenizer import Tokenizer
+from titanlite.errors import Problems
 from titanlite.models.spec import ModelSpec
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -56,34 +57,44 @@ def build_model_args(cfg: JobConfig, tokenizer_vocab: int) -> tuple[ModelSpec, A
 
 
 def check(cfg: JobConfig, world_size: int) -> Tokenizer | None:
-    """Raise a UserError for anything about this run that is wrong before it starts;
-    returns the (valid) tokenizer, or None in a dry run given model.vocab_size and no
-    tokenizer file."""
-    degrees = resolve_degrees(cfg, world_size)
-    gradient_accumulation_steps(cfg, degrees)
+    """Raise a UserError for anything about this run that is wrong before it starts (every
+    independent problem at once); returns the (valid) tokenizer, or None in a dry run given
+    model.vocab_size and no tokenizer file."""
+    problems = Problems()
+    degrees = None
+    with problems.check():
+        degrees = resolve_degrees(cfg, world_size)
+        gradient_accumulation_steps(cfg, degrees)
     tokenizer_path = resolve_path(cfg.model.tokenizer_path)
-    if cfg.job.dry_run and cfg.model.vocab_size and not os.path.exists(tokenizer_path):
-        tokenizer = None  # a dry run needs only the vocabulary size
-    else:
-        tokenizer = Tokenizer(tokenizer_path)
-    spec, args = build_model_args(cfg, tokenizer.vocab_size if tokenizer else cfg.model.vocab_size)
-    tp = degrees.tp
-    for key, value in spec.tp_divisible(args).items():
-        if value % tp:
-            raise ConfigError(
-                f"parallelism.tensor_parallel_degree {tp} does not divide model.{key} {value}"
-            )
-    if cfg.training.seq_len % tp:
-        raise ConfigError(
-            f"parallelism.tensor_parallel_degree {tp} does not divide training.seq_len "
+    tokenizer = None
+    vocab_size = cfg.model.vocab_size
+    if not (cfg.job.dry_run and cfg.model.vocab_size and not os.path.exists(tokenizer_path)):
+        # (a dry run given model.vocab_size needs no tokenizer file)
+        with problems.check():
+            tokenizer = Tokenizer(tokenizer_path)
+            vocab_size = tokenizer.vocab_size
+    if vocab_size:
+        with problems.check():
+            spec, args = build_model_args(cfg, vocab_size)
+            tp = degrees.tp if degrees else 1
+            for key, value in spec.tp_divisible(args).items():
+                if value % tp:
+                    problems.add(
+                        f"parallelism.tensor_parallel_degree {tp} does not divide model.{key} "
+                        f"{value}"
+                    )
+    if degrees and cfg.training.seq_len % degrees.tp:
+        problems.add(
+            f"parallelism.tensor_parallel_degree {degrees.tp} does not divide training.seq_len "
             f"{cfg.training.seq_len} (sequence parallelism splits the sequence)"
         )
     path = resolve_path(cfg.training.dataset_path)
     if path and not os.path.exists(path):
-        raise ConfigError(f"training.dataset_path: {path!r} does not exist")
+        problems.add(f"training.dataset_path: {path!r} does not exist")
     rank = cfg.job.dry_run_init_rank
     if rank >= world_size:
-        raise ConfigError(
+        problems.add(
             f"job.dry_run_init_rank {rank} is not a rank of this layout (world size {world_size})"
         )
+    problems.raise_if_any(ConfigError)
     return tokenizer

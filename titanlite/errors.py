@@ -5,9 +5,52 @@ with exit status 2, never as a traceback: the message must name the offending ke
 or value and, where possible, what would be valid.
 """
 
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
 
 class UserError(Exception):
-    """A problem with the user's input that they can fix; the message is shown as is."""
+    """A problem with the user's input that they can fix; the message is shown as is.
+
+    One error may carry several problems (``UserError("a", "b")``), each a line of its own, so
+    that a config with three mistakes is reported once with all three.
+    """
+
+    def __init__(self, *problems: str) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = list(problems)
+
+
+def error_lines(error: Exception, program: str = "titanlite") -> list[str]:
+    """The lines an entry point prints for ``error``: one per problem, each naming the program."""
+    return [f"{program}: error: {problem}" for problem in str(error).split("\n") if problem]
+
+
+class Problems:
+    """Collects UserErrors from independent checks so that all of them are reported at once.
+
+    ``with problems.check(): ...`` records a UserError raised inside the block and goes on;
+    ``problems.raise_if_any(ErrorType)`` raises one error holding every problem recorded.
+    """
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    @contextlib.contextmanager
+    def check(self) -> Iterator[None]:
+        try:
+            yield
+        except UserError as e:
+            self.lines.extend(line for line in str(e).split("\n") if line)
+
+    def add(self, line: str) -> None:
+        self.lines.append(line)
+
+    def raise_if_any(self, kind: type[UserError] = UserError) -> None:
+        if self.lines:
+            raise kind(*self.lines)
 
 
 EXIT_OK = 0

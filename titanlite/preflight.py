@@ -15,7 +15,7 @@ import sys
 
 from titanlite.checks import check
 from titanlite.config import load_config
-from titanlite.errors import EXIT_NO_LAUNCH, EXIT_OK, EXIT_USER_ERROR, UserError
+from titanlite.errors import EXIT_NO_LAUNCH, EXIT_OK, EXIT_USER_ERROR, UserError, error_lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(dry_run(cfg, world_size, vocab) + "\n")
             return EXIT_NO_LAUNCH
     except UserError as e:
-        sys.stderr.write(f"titanlite: error: {e}\n")
+        sys.stderr.writelines(line + "\n" for line in error_lines(e))
         return EXIT_USER_ERROR
     return EXIT_OK
 

@@ -3,7 +3,7 @@
     python -m titanlite.train --job.config_file CONFIG.toml [--section.key value ...]
 
 Normally started by ./run_train.sh through torchrun; a plain single process works too.
-Exit statuses are those of titanlite.errors: 0 done, 2 bad input (one line on stderr),
+Exit statuses are those of titanlite.errors: 0 done, 2 bad input (a line per problem on stderr),
 3 the loss became non-finite, 75 stopped by SIGTERM/SIGUSR1 after saving a checkpoint (run
 the same command to resume).
 """
@@ -18,27 +18,34 @@ import sys
 
 from titanlite import distributed
 from titanlite.config import help_text, load_config, parse_cli
-from titanlite.errors import EXIT_DIVERGED, EXIT_OK, EXIT_PREEMPTED, EXIT_USER_ERROR, UserError
+from titanlite.errors import (
+    EXIT_DIVERGED,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    EXIT_USER_ERROR,
+    UserError,
+    error_lines,
+)
 from titanlite.trainer import Preempted, Trainer, TrainingDiverged
 
 logger = logging.getLogger("titanlite.train")
 
 
-def report_error(message: str, status: int) -> int:
-    """One line on stderr; also "STATUS<TAB>line" to TITANLITE_ERROR_FILE so the launcher
-    can repeat it after torchrun's report and exit with the same status."""
-    line = f"titanlite: error: {message}".replace("\n", " ")
-    sys.stderr.write(line + "\n")
-    return record_status(line, status)
+def report_error(error: Exception, status: int) -> int:
+    """A line per problem on stderr; also "STATUS<TAB>line" each to TITANLITE_ERROR_FILE so the
+    launcher can repeat them after torchrun's report and exit with the same status."""
+    lines = error_lines(error)
+    sys.stderr.writelines(line + "\n" for line in lines)
+    return record_status(lines, status)
 
 
-def record_status(line: str, status: int) -> int:
+def record_status(lines: list[str], status: int) -> int:
     """Append "STATUS<TAB>line" to TITANLITE_ERROR_FILE: torchrun only says that a rank failed,
     so this is how ./run_train.sh (and through it a SLURM job) learns the trainer's status."""
     path = os.environ.get("TITANLITE_ERROR_FILE")
     if path:
         with contextlib.suppress(OSError), open(path, "a") as f:
-            f.write(f"{status}\t{line}\n")
+            f.writelines(f"{status}\t{line}\n" for line in lines)
     return status
 
 
@@ -56,13 +63,13 @@ def main(argv: list[str] | None = None) -> int:
         trainer.train()
         return EXIT_OK
     except UserError as e:
-        return report_error(str(e), EXIT_USER_ERROR)
+        return report_error(e, EXIT_USER_ERROR)
     except TrainingDiverged as e:
-        return report_error(str(e), EXIT_DIVERGED)
+        return report_error(e, EXIT_DIVERGED)
     except Preempted as e:
         logger.warning("%s; exiting with status %d so the job can be requeued", e, EXIT_PREEMPTED)
         # Not an error, but the launcher must see 75 (torchrun itself exits 1).
-        return record_status(f"titanlite: {e}; run the same command to resume", EXIT_PREEMPTED)
+        return record_status([f"titanlite: {e}; run the same command to resume"], EXIT_PREEMPTED)
     finally:
         if trainer is not None:
             trainer.close()

@@ -2,6 +2,9 @@
 
 Precedence is CLI > TOML > defaults. The CLI takes ``--section.key value``,
 ``--section.key=value`` and, for booleans, a bare ``--section.key`` meaning true.
+
+Every problem found (unknown keys, bad values, failed checks) is collected and raised as one
+ConfigError holding a line per problem, so a user fixes a config in one round, not one per typo.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any, Literal
 
 from titanlite.checkpoint.keys import STATE_KEYS
 from titanlite.config.job_config import ConfigError, JobConfig
+from titanlite.errors import Problems
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -168,6 +172,14 @@ def _is_option(token: str) -> bool:
 
 def parse_cli(argv: list[str]) -> tuple[bool, dict[str, str | bool]]:
     """(help requested, {'section.key': raw value}) from command-line tokens."""
+    problems = Problems()
+    result = _parse_cli(argv, problems)
+    problems.raise_if_any(ConfigError)
+    return result
+
+
+def _parse_cli(argv: list[str], problems: Problems) -> tuple[bool, dict[str, str | bool]]:
+    """parse_cli, recording each bad option in ``problems`` and going on with the rest."""
     overrides: dict[str, str | bool] = {}
     i = 0
     want_help = False
@@ -178,21 +190,27 @@ def parse_cli(argv: list[str]) -> tuple[bool, dict[str, str | bool]]:
             want_help = True
             continue
         if not token.startswith("--"):
-            raise ConfigError(
-                f"unexpected argument {token!r}; options look like --section.key value"
-            )
+            problems.add(f"unexpected argument {token!r}; options look like --section.key value")
+            continue
         key, eq, raw = token[2:].partition("=")
-        _, _, tp = _lookup(key)
+        try:
+            _, _, tp = _lookup(key)
+        except ConfigError as e:
+            problems.add(str(e))
+            tp = None  # still step over its value, so that the value is not read as an option
         if eq:
-            overrides[key] = raw
+            value: str | bool = raw
         elif i < len(argv) and not _is_option(argv[i]):
-            overrides[key] = argv[i]
+            value = argv[i]
             i += 1
-        elif _split_optional(tp)[0] is bool:
-            overrides[key] = True
+        elif tp is None or _split_optional(tp)[0] is bool:
+            value = True
         else:
             # A value that starts with "--" must use the --section.key=value form.
-            raise ConfigError(f"--{key}: missing value")
+            problems.add(f"--{key}: missing value")
+            continue
+        if tp is not None:
+            overrides[key] = value
     return want_help, overrides
 
 
@@ -209,41 +227,60 @@ def read_toml(path: str) -> dict[str, Any]:
 
 
 def load_config(argv: list[str]) -> JobConfig:
-    """Build the JobConfig from CLI tokens (which may name --job.config_file)."""
-    _, overrides = parse_cli(argv)
+    """Build the JobConfig from CLI tokens (which may name --job.config_file); a ConfigError
+    listing every problem of the file and the command line together."""
+    problems = Problems()
+    _, overrides = _parse_cli(argv, problems)
     cfg = JobConfig()
     config_file = overrides.get("job.config_file")
     if isinstance(config_file, str) and config_file:
-        apply_toml(cfg, read_toml(config_file), config_file)
+        data = read_toml(config_file)  # nothing else can be checked without it
+        with problems.check():
+            apply_toml(cfg, data, config_file)
     for key, raw in overrides.items():
         section, name, tp = _lookup(key)
-        setattr(getattr(cfg, section), name, _coerce(raw, tp, f"--{key}", from_cli=True))
-    validate(cfg)
+        with problems.check():
+            setattr(getattr(cfg, section), name, _coerce(raw, tp, f"--{key}", from_cli=True))
+    # A key that failed above keeps its default, which is valid: no problem is reported twice.
+    with problems.check():
+        validate(cfg)
+    problems.raise_if_any(ConfigError)
     return cfg
 
 
 def apply_toml(cfg: JobConfig, data: dict[str, Any], source: str) -> None:
+    """Set every key of a parsed TOML file; one ConfigError naming all unknown keys and bad
+    values (the good ones are applied either way)."""
     secs = sections()
+    problems = Problems()
     for section, table in data.items():
         if section not in secs:
-            raise _unknown(f"section in {source}:", f"[{section}]", [f"[{s}]" for s in secs])
+            problems.add(
+                str(_unknown(f"section in {source}:", f"[{section}]", [f"[{s}]" for s in secs]))
+            )
+            continue
         if not isinstance(table, dict):
-            raise ConfigError(f"{source}: {section} must be a [section] table")
+            problems.add(f"{source}: {section} must be a [section] table")
+            continue
         types_ = field_types(secs[section])
         for name, value in table.items():
             if name not in types_:
-                raise _unknown(f"key in {source} [{section}]:", name, list(types_))
-            coerced = _coerce(value, types_[name], f"{section}.{name}", from_cli=False)
-            setattr(getattr(cfg, section), name, coerced)
+                problems.add(str(_unknown(f"key in {source} [{section}]:", name, list(types_))))
+                continue
+            with problems.check():
+                coerced = _coerce(value, types_[name], f"{section}.{name}", from_cli=False)
+                setattr(getattr(cfg, section), name, coerced)
+    problems.raise_if_any(ConfigError)
 
 
 def validate(cfg: JobConfig) -> None:
-    """Checks that need no knowledge of the world size."""
+    """Checks that need no knowledge of the world size; one ConfigError listing every failure."""
+    problems = Problems()
 
     def require(ok: bool, key: str, what: str) -> None:
         if not ok:
             value = getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])
-            raise ConfigError(f"{key}: {what}, got {value!r}")
+            problems.add(f"{key}: {what}, got {value!r}")
 
     t, o, s, m, v = cfg.training, cfg.optimizer, cfg.lr_scheduler, cfg.metrics, cfg.validation
     require(t.steps >= 1, "training.steps", "must be at least 1")
@@ -322,10 +359,11 @@ def validate(cfg: JobConfig) -> None:
         "needs --job.dry_run (it initializes one rank's shards instead of training)",
     )
     if m.enable_tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError(
+        problems.add(
             "metrics.enable_tensorboard needs the tensorboard package, which is not installed: "
             "pip install 'titanlite[tensorboard]' (or tensorboard)"
         )
+    problems.raise_if_any(ConfigError)
 
 
 def to_toml(cfg: JobConfig) -> str:

@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from titanlite.data import Tokenizer  # noqa: E402
+from titanlite.data import load_tokenizer  # noqa: E402
 from titanlite.metrics import measure_matmul_flops  # noqa: E402
 from titanlite.models.layers import count_params  # noqa: E402
 from titanlite.models.llama import SPEC as LLAMA  # noqa: E402
@@ -403,7 +403,7 @@ def main() -> int:
         return 0
     if args.warmup >= args.steps or args.bf16_warmup >= args.bf16_steps:
         p.error("warmup steps must be fewer than steps")
-    args.tokenizer = Tokenizer(str(TOKENIZER))
+    args.tokenizer = load_tokenizer(str(TOKENIZER))
     args.vocab_size = args.tokenizer.vocab_size
 
     torch.set_num_threads(args.cores)

@@ -13,7 +13,13 @@ import argparse
 import os
 import time
 
-from titanlite.data import DEFAULT_TOKENIZER_PATH, DataSpec, Tokenizer, build_dataloader
+from titanlite.data import (
+    DEFAULT_TOKENIZER_PATH,
+    DataSpec,
+    Tokenizer,
+    build_dataloader,
+    load_tokenizer,
+)
 
 CASES = [(512, 8, 1), (512, 8, 4), (256, 8, 1), (256, 8, 4)]  # seq_len, local batch, dp world
 
@@ -58,7 +64,7 @@ def main() -> None:
     import datasets  # noqa: F401  (reported separately: paid once per process)
 
     print(f"import datasets: {time.perf_counter() - started:.2f} s")
-    tokenizer = Tokenizer(args.tokenizer)
+    tokenizer = load_tokenizer(args.tokenizer)
     print(f"load average: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(
         f"tokenizer: {tokenizer.path.name}, vocab {tokenizer.vocab_size}, "

@@ -4,8 +4,8 @@
 
 The result is a complete titanlite checkpoint folder (DCP "model" + titanlite.json with
 model_only=true), usable as ``checkpoint.initial_load_path`` or by scripts/generate.py.
-Reads config.json and model.safetensors (or a sharded index); the folder's tokenizer.model,
-if any, is copied in. Weights are stored in float32, as titanlite trains.
+Reads config.json and model.safetensors (or a sharded index); the folder's tokenizer
+(tokenizer.json with its tokenizer_config.json, else tokenizer.model), if any, is copied in. Weights are stored in float32, as titanlite trains.
 """
 
 from __future__ import annotations
@@ -16,10 +16,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from titanlite.data.tokenizer import Tokenizer
+from titanlite.data.tokenizer import HF_TOKENIZER_FILE, SENTENCEPIECE_FILE, load_tokenizer
 from titanlite.errors import EXIT_USER_ERROR, UserError
 from titanlite.interop.checkpoint_model import save_model_checkpoint
 from titanlite.interop.hf import load_hf
+
+TOKENIZER_FILES = (HF_TOKENIZER_FILE, SENTENCEPIECE_FILE)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -27,7 +29,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("hf_dir", type=Path, help="folder with config.json and *.safetensors")
     parser.add_argument("out", type=Path, help="checkpoint folder to write (new or empty)")
     parser.add_argument(
-        "--tokenizer", type=Path, help="sentencepiece model (default: HF_DIR/tokenizer.model)"
+        "--tokenizer",
+        type=Path,
+        help="sentencepiece model or tokenizer.json (default: the one in HF_DIR, if any)",
     )
     return parser.parse_args(argv)
 
@@ -38,11 +42,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         state, spec, model_args = load_hf(args.hf_dir)
-        tokenizer = args.tokenizer
-        if tokenizer is None and (args.hf_dir / "tokenizer.model").is_file():
-            tokenizer = args.hf_dir / "tokenizer.model"
-        if tokenizer is not None and Tokenizer(tokenizer).vocab_size > model_args.vocab_size:
-            raise UserError(f"tokenizer {str(tokenizer)!r} has more tokens than the model")
+        tokenizer = None
+        has_tokenizer = any((args.hf_dir / name).is_file() for name in TOKENIZER_FILES)
+        if args.tokenizer is not None or has_tokenizer:
+            tokenizer = load_tokenizer(args.tokenizer or args.hf_dir)
+        if tokenizer is not None and tokenizer.vocab_size > model_args.vocab_size:
+            raise UserError(f"tokenizer {str(tokenizer.path)!r} has more tokens than the model")
         state = {name: tensor.float() for name, tensor in state.items()}
         save_model_checkpoint(
             state,

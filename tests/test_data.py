@@ -20,6 +20,7 @@ from titanlite.data import (
     DataSpec,
     Tokenizer,
     build_dataloader,
+    load_tokenizer,
 )
 from titanlite.data import loader as loader_module
 from titanlite.data.sources import in_validation, iter_texts, local_files
@@ -37,7 +38,7 @@ DEFAULT_MIN_READ_CHARS = loader_module._MIN_READ_CHARS
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    return Tokenizer(DEFAULT_TOKENIZER_PATH)
+    return load_tokenizer(DEFAULT_TOKENIZER_PATH)
 
 
 @pytest.fixture(autouse=True)
@@ -188,10 +189,10 @@ def test_global_batch_is_independent_of_dp_degree(
 
 WORKER = """
 import sys, torch
-from titanlite.data import DEFAULT_TOKENIZER_PATH, DataSpec, Tokenizer, build_dataloader
+from titanlite.data import DEFAULT_TOKENIZER_PATH, DataSpec, build_dataloader, load_tokenizer
 rank, world, path, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 spec = DataSpec(dataset_path=path, seq_len=32, local_batch_size=8 // world, validation_fraction=0.1)
-loader = build_dataloader(Tokenizer(DEFAULT_TOKENIZER_PATH), spec, rank, world, "train")
+loader = build_dataloader(load_tokenizer(DEFAULT_TOKENIZER_PATH), spec, rank, world, "train")
 it = iter(loader)
 torch.save([next(it) for _ in range(5)], out)
 """

@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from titanlite.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+from titanlite.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
 from titanlite.errors import EXIT_USER_ERROR
 from titanlite.generate import generate, next_token
 from titanlite.models import get
@@ -133,7 +133,7 @@ def test_script_prints_prompt_and_greedy_continuation(
     argv = ["--checkpoint", str(checkpoint), "--prompt", prompt, "--max-new-tokens", "8"]
     assert generate_script.main(argv) == 0
     printed = capsys.readouterr().out
-    tokenizer = Tokenizer(DEFAULT_TOKENIZER_PATH)
+    tokenizer = load_tokenizer(DEFAULT_TOKENIZER_PATH)
     ids = tokenizer.encode(prompt, bos=True, eos=False)
     new = generate(model, ids, 8, ARGS.max_seq_len, eos_id=tokenizer.eos_id)
     expected = tokenizer.decode(ids + new)

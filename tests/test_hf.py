@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from titanlite.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+from titanlite.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
 from titanlite.errors import EXIT_USER_ERROR, UserError
 from titanlite.interop import checkpoint_model
 from titanlite.interop.hf import parse_size
@@ -265,7 +265,7 @@ def test_exported_tokenizer_matches_titanlite(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     ckpt = write_checkpoint(tmp_path / "step-7", tiny_model(tiny_args()))
     assert convert_to_hf.main([str(ckpt), str(tmp_path / "hf")]) == 0
-    ours = Tokenizer(DEFAULT_TOKENIZER_PATH)
+    ours = load_tokenizer(DEFAULT_TOKENIZER_PATH)
     texts = [TEXT, "Hello world", "a\n\n  b\tc  ", "12345 + 678 = 13023"]
     for cls in (transformers.AutoTokenizer, transformers.LlamaTokenizer):
         theirs = cls.from_pretrained(tmp_path / "hf")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import sentencepiece as spm
 
-from titanlite.data import DEFAULT_TOKENIZER_PATH, Tokenizer
+from titanlite.data import DEFAULT_TOKENIZER_PATH, Tokenizer, load_tokenizer
 from titanlite.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -26,7 +26,7 @@ REAL_TEXT = (
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    return Tokenizer(DEFAULT_TOKENIZER_PATH)
+    return load_tokenizer(DEFAULT_TOKENIZER_PATH)
 
 
 def sotu_speech(name: str) -> str:
@@ -79,16 +79,16 @@ def test_encode_batch_equals_encode(tok: Tokenizer, bos: bool, eos: bool) -> Non
 def test_missing_file_is_a_user_error(tmp_path: Path) -> None:
     missing = tmp_path / "nope.model"
     with pytest.raises(UserError, match="nope.model"):
-        Tokenizer(missing)
+        load_tokenizer(missing)
     with pytest.raises(UserError, match=str(tmp_path.name)):
-        Tokenizer(tmp_path)  # a folder
+        load_tokenizer(tmp_path)  # a folder
 
 
-def test_non_sentencepiece_file_is_a_user_error(tmp_path: Path) -> None:
-    bogus = tmp_path / "tokenizer.json"
-    bogus.write_text('{"model": {"type": "BPE"}}')
-    with pytest.raises(UserError, match="tokenizer.json.*not a sentencepiece model") as info:
-        Tokenizer(bogus)
+def test_file_of_neither_kind_is_a_user_error(tmp_path: Path) -> None:
+    bogus = tmp_path / "tokenizer.bin"
+    bogus.write_bytes(b"\x00\x01 not a model " * 50)
+    with pytest.raises(UserError, match="tokenizer.bin.*neither a sentencepiece model") as info:
+        load_tokenizer(bogus)
     assert "\n" not in str(info.value)
 
 
@@ -110,7 +110,7 @@ def test_foreign_model_without_pad_uses_its_own_ids(tmp_path: Path) -> None:
     )
     path = tmp_path / "llama_like.model"
     path.write_bytes(model.getvalue())
-    tok = Tokenizer(path)
+    tok = load_tokenizer(path)
     assert (tok.unk_id, tok.bos_id, tok.eos_id, tok.pad_id) == (0, 1, 2, -1)
     ids = tok.encode("line 7 of a corpus")
     assert ids[0] == 1 and ids[-1] == 2
@@ -130,7 +130,7 @@ def test_model_without_bos_encodes_without_it(tmp_path: Path) -> None:
     )
     path = tmp_path / "no_bos.model"
     path.write_bytes(model.getvalue())
-    tok = Tokenizer(path)
+    tok = load_tokenizer(path)
     assert tok.bos_id == -1 and tok.eos_id == 1
     body = tok.encode("line 3", bos=False, eos=False)
     assert tok.encode("line 3") == [*body, 1]
@@ -150,7 +150,7 @@ def test_train_script_writes_a_working_model(tmp_path: Path, capsys) -> None:
         + ["--validation-fraction", "0.3"]
     )
     assert code == 0
-    tok = Tokenizer(out)
+    tok = load_tokenizer(out)
     assert tok.vocab_size == 300 and (tok.pad_id, tok.bos_id, tok.eos_id) == (0, 2, 3)
     printed = capsys.readouterr().out
     assert "vocab size 300" in printed and "bytes/token" in printed

@@ -12,7 +12,7 @@ from typing import Any
 
 from titanlite import models
 from titanlite.config import ConfigError, JobConfig, gradient_accumulation_steps, resolve_degrees
-from titanlite.data.tokenizer import Tokenizer
+from titanlite.data.tokenizer import Tokenizer, load_tokenizer
 from titanlite.errors import Problems
 from titanlite.models.spec import ModelSpec
 
@@ -71,7 +71,7 @@ def check(cfg: JobConfig, world_size: int) -> Tokenizer | None:
     if not (cfg.job.dry_run and cfg.model.vocab_size and not os.path.exists(tokenizer_path)):
         # (a dry run given model.vocab_size needs no tokenizer file)
         with problems.check():
-            tokenizer = Tokenizer(tokenizer_path)
+            tokenizer = load_tokenizer(tokenizer_path)
             vocab_size = tokenizer.vocab_size
     if vocab_size:
         with problems.check():

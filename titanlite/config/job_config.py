@@ -38,7 +38,7 @@ class Model:
     flavor: str = "debugmodel"
     """Size preset of the family: llama3 debugmodel, bench, 1B, 3B, 8B, 70B, 405B; qwen3 debugmodel, 0.6B, 1.7B, 4B, 8B, 14B, 32B."""
     tokenizer_path: str = "titanlite/assets/tokenizer.model"
-    """Sentencepiece .model file; the vocabulary size follows it."""
+    """Tokenizer: a sentencepiece .model, a Hugging Face tokenizer.json, or a folder holding either (e.g. a downloaded model folder); the vocabulary size follows it."""
     vocab_size: int | None = None
     """Embedding rows (unset = the tokenizer's vocabulary size; if set, at least that). Lets a dry run go without a tokenizer file."""
     dim: int | None = None

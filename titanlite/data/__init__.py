@@ -7,11 +7,11 @@ can check a tokenizer through this package without paying for `import torch`.
 from typing import Any
 
 from titanlite.data.spec import DataSpec
-from titanlite.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+from titanlite.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer, load_tokenizer
 
 _LOADER_NAMES = ("IGNORE_INDEX", "PackedLoader", "build_dataloader")
 
-__all__ = ["DEFAULT_TOKENIZER_PATH", "DataSpec", "Tokenizer", *_LOADER_NAMES]
+__all__ = ["DEFAULT_TOKENIZER_PATH", "DataSpec", "Tokenizer", "load_tokenizer", *_LOADER_NAMES]
 
 
 def __getattr__(name: str) -> Any:

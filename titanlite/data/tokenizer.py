@@ -1,15 +1,28 @@
-"""A thin sentencepiece wrapper: the only tokenizer titanlite needs.
+"""Tokenizers: sentencepiece ``.model`` files and Hugging Face ``tokenizer.json`` files.
 
-Any sentencepiece ``.model`` works (the shipped one, or a Llama 2 / Mistral ``tokenizer.model``):
-the special ids come from the model itself and ``pad_id`` is -1 when the model has none.
+``load_tokenizer(path)`` picks the kind from what ``path`` holds:
+
+- a sentencepiece model (the shipped one, or a Llama 2 / Mistral ``tokenizer.model``): the
+  special ids come from the model itself;
+- a Hugging Face ``tokenizer.json`` (Llama 3's 128K BPE, Qwen, GPT-2, one trained with
+  ``scripts/train_tokenizer.py --kind bpe``), or a folder holding one: loaded with the
+  ``tokenizers`` library; BOS/EOS/pad/unk are the tokens its ``tokenizer_config.json`` names
+  (beside the file), else the usual names (``<|begin_of_text|>``, ``<s>``, ...) when present.
+
+Both encode the same way for the data pipeline: BOS first and EOS last when asked and the
+tokenizer has them (never a tokenizer.json's own post-processing), ids as int32 (any
+vocabulary below 2**31 fits). An id the tokenizer does not have is -1.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import sentencepiece as spm
@@ -17,6 +30,17 @@ import sentencepiece as spm
 from titanlite.errors import UserError
 
 DEFAULT_TOKENIZER_PATH = Path(__file__).resolve().parent.parent / "assets" / "tokenizer.model"
+HF_TOKENIZER_FILE = "tokenizer.json"
+HF_TOKENIZER_CONFIG = "tokenizer_config.json"
+SENTENCEPIECE_FILE = "tokenizer.model"
+SPECIAL_KINDS = ("bos", "eos", "pad", "unk")
+# Special tokens looked for when a tokenizer.json comes without a tokenizer_config.json.
+_USUAL_NAMES = {
+    "bos": ("<|begin_of_text|>", "<s>", "<|startoftext|>", "<bos>"),
+    "eos": ("<|end_of_text|>", "</s>", "<|endoftext|>", "<eos>"),
+    "pad": ("<pad>", "<|pad|>", "<|finetune_right_pad_id|>"),
+    "unk": ("<unk>", "<|unk|>"),
+}
 
 
 def default_num_threads() -> int:
@@ -30,46 +54,100 @@ def default_num_threads() -> int:
 
 
 class Tokenizer:
-    """Encode text to token ids and back with a sentencepiece model file."""
+    """What the data pipeline, the trainer and the exports use of a tokenizer."""
 
-    def __init__(self, path: str | os.PathLike[str], num_threads: int | None = None) -> None:
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise UserError(f"tokenizer file {str(self.path)!r} does not exist or is not a file")
-        self._sp = spm.SentencePieceProcessor()
-        try:
-            self._sp.Load(str(self.path))
-        except (RuntimeError, OSError) as exc:
-            raise UserError(
-                f"tokenizer file {str(self.path)!r} is not a sentencepiece model "
-                f"({type(exc).__name__}); give the path of a sentencepiece .model file"
-            ) from None
-        self.num_threads = num_threads or default_num_threads()
-        self.vocab_size: int = self._sp.vocab_size()
-        self.bos_id: int = self._sp.bos_id()
-        self.eos_id: int = self._sp.eos_id()
-        self.pad_id: int = self._sp.pad_id()
-        self.unk_id: int = self._sp.unk_id()
-        # Identifies the model's content (not its path): a loader state made with one
-        # tokenizer must not be resumed with another.
-        self.fingerprint: str = hashlib.sha256(self._sp.serialized_model_proto()).hexdigest()[:16]
+    kind: str
+    path: Path
+    """The tokenizer's file (a folder given is resolved to the file inside it)."""
+    num_threads: int
+    vocab_size: int
+    bos_id: int
+    eos_id: int
+    pad_id: int
+    unk_id: int
+    fingerprint: str
+    """Identifies the tokenizer's content (not its path): a loader state made with one
+    tokenizer must not be resumed with another."""
 
-    def _flags(self, bos: bool, eos: bool) -> dict[str, bool]:
-        # sentencepiece refuses add_bos/add_eos for a model without that token: skip it instead.
-        return {"add_bos": bos and self.bos_id >= 0, "add_eos": eos and self.eos_id >= 0}
+    def _ids(self, texts: list[str]) -> list[Sequence[int]]:
+        raise NotImplementedError
+
+    def token_text(self, token_id: int) -> str:
+        """The string of one token (used to name special tokens in exports)."""
+        raise NotImplementedError
+
+    def copy_files(self, folder: Path) -> Path:
+        """Copy the files that make this tokenizer into ``folder``; the path to load it from."""
+        raise NotImplementedError
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        """Text of ``ids``; special tokens (BOS, EOS, pad) decode to nothing."""
+        raise NotImplementedError
+
+    def _wrap(self, ids: Sequence[int], bos: bool, eos: bool) -> list[int]:
+        head = [self.bos_id] if bos and self.bos_id >= 0 else []
+        tail = [self.eos_id] if eos and self.eos_id >= 0 else []
+        return [*head, *ids, *tail]
 
     def encode(self, text: str, bos: bool = True, eos: bool = True) -> list[int]:
-        """Token ids of ``text``, with BOS first and EOS last when asked (and the model has them)."""
-        return self._sp.encode(text, **self._flags(bos, eos))
+        """Token ids of ``text``, with BOS first and EOS last when asked (and the tokenizer
+        has them)."""
+        return self.encode_batch([text], bos, eos)[0]
 
     def encode_batch(
         self, texts: Sequence[str], bos: bool = True, eos: bool = True
     ) -> list[list[int]]:
         """``[encode(t, bos, eos) for t in texts]``, computed on ``num_threads`` threads."""
-        return self._sp.encode(list(texts), num_threads=self.num_threads, **self._flags(bos, eos))
+        return [self._wrap(ids, bos, eos) for ids in self._ids(list(texts))]
 
     def encode_concat(self, texts: Sequence[str], bos: bool = True, eos: bool = True) -> np.ndarray:
         """All ``texts`` encoded and concatenated into one int32 array (the packing input)."""
+        if not texts:
+            return np.empty(0, dtype=np.int32)
+        head = np.array([self.bos_id] if bos and self.bos_id >= 0 else [], dtype=np.int32)
+        tail = np.array([self.eos_id] if eos and self.eos_id >= 0 else [], dtype=np.int32)
+        parts: list[np.ndarray] = []
+        for ids in self._ids(list(texts)):
+            parts += [head, np.asarray(ids, dtype=np.int32), tail]
+        return np.concatenate(parts)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self.path)!r}, vocab_size={self.vocab_size})"
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A sentencepiece model file; ``pad_id`` is -1 when the model has none."""
+
+    kind = "sentencepiece"
+
+    def __init__(self, path: str | os.PathLike[str], num_threads: int | None = None) -> None:
+        self.path = Path(path)
+        self._sp = spm.SentencePieceProcessor()
+        try:
+            self._sp.Load(str(self.path))
+        except (RuntimeError, OSError):
+            raise UserError(
+                f"tokenizer file {str(self.path)!r} is neither a sentencepiece model nor a "
+                f"Hugging Face {HF_TOKENIZER_FILE}"
+            ) from None
+        self.num_threads = num_threads or default_num_threads()
+        self.vocab_size = self._sp.vocab_size()
+        self.bos_id = self._sp.bos_id()
+        self.eos_id = self._sp.eos_id()
+        self.pad_id = self._sp.pad_id()
+        self.unk_id = self._sp.unk_id()
+        self.fingerprint = hashlib.sha256(self._sp.serialized_model_proto()).hexdigest()[:16]
+
+    def _flags(self, bos: bool, eos: bool) -> dict[str, bool]:
+        # sentencepiece refuses add_bos/add_eos for a model without that token: skip it instead.
+        return {"add_bos": bos and self.bos_id >= 0, "add_eos": eos and self.eos_id >= 0}
+
+    def encode_batch(
+        self, texts: Sequence[str], bos: bool = True, eos: bool = True
+    ) -> list[list[int]]:
+        return self._sp.encode(list(texts), num_threads=self.num_threads, **self._flags(bos, eos))
+
+    def encode_concat(self, texts: Sequence[str], bos: bool = True, eos: bool = True) -> np.ndarray:
         if not texts:
             return np.empty(0, dtype=np.int32)
         arrays = self._sp.encode_as_numpy(
@@ -77,9 +155,120 @@ class Tokenizer:
         )
         return np.concatenate(arrays).astype(np.int32, copy=False)
 
+    def token_text(self, token_id: int) -> str:
+        return self._sp.id_to_piece(token_id)
+
+    def copy_files(self, folder: Path) -> Path:
+        shutil.copyfile(self.path, folder / SENTENCEPIECE_FILE)
+        return folder / SENTENCEPIECE_FILE
+
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
-        """Text of ``ids``; control tokens (BOS, EOS, pad) decode to nothing."""
         return self._sp.decode([int(i) for i in ids])
 
-    def __repr__(self) -> str:
-        return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
+
+def _token_name(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face ``tokenizer.json``, encoded with the ``tokenizers`` library (Rust)."""
+
+    kind = "huggingface"
+
+    def __init__(self, path: str | os.PathLike[str], num_threads: int | None = None) -> None:
+        self.path = Path(path)
+        self.num_threads = num_threads or default_num_threads()
+        # The library's thread pool reads this once, when it first encodes a batch.
+        os.environ.setdefault("RAYON_NUM_THREADS", str(self.num_threads))
+        try:
+            import tokenizers
+        except ImportError:
+            raise UserError(
+                f"tokenizer {str(self.path)!r} is a Hugging Face tokenizer, which needs the "
+                "tokenizers package: pip install tokenizers"
+            ) from None
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(str(self.path))
+        except Exception as exc:  # the library raises a bare Exception for any bad file
+            reason = str(exc).splitlines()[0] if str(exc) else "unreadable"
+            raise UserError(
+                f"tokenizer file {str(self.path)!r} is not a usable Hugging Face "
+                f"{HF_TOKENIZER_FILE} ({reason})"
+            ) from None
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.config_path = self.path.parent / HF_TOKENIZER_CONFIG
+        self.special_tokens = self._special_tokens()
+        ids = {kind: self._tok.token_to_id(name) for kind, name in self.special_tokens.items()}
+        for kind, name in self.special_tokens.items():
+            if ids[kind] is None:
+                raise UserError(
+                    f"{self.config_path}: {kind}_token {name!r} is not a token of {self.path}"
+                )
+        self.bos_id, self.eos_id, self.pad_id, self.unk_id = (
+            ids.get(kind, -1) for kind in SPECIAL_KINDS
+        )
+        digest = hashlib.sha256(self.path.read_bytes())
+        digest.update(json.dumps(self.special_tokens, sort_keys=True).encode())
+        self.fingerprint = digest.hexdigest()[:16]
+
+    def _special_tokens(self) -> dict[str, str]:
+        """kind -> token string, from tokenizer_config.json, else the usual names present."""
+        if self.config_path.is_file():
+            try:
+                config = json.loads(self.config_path.read_text())
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise UserError(f"{self.config_path} is not valid JSON ({exc})") from None
+            if not isinstance(config, dict):
+                raise UserError(f"{self.config_path} is not a JSON object")
+            found = {kind: _token_name(config.get(f"{kind}_token")) for kind in SPECIAL_KINDS}
+            return {kind: name for kind, name in found.items() if name}
+        found = {}
+        for kind, names in _USUAL_NAMES.items():
+            present = [name for name in names if self._tok.token_to_id(name) is not None]
+            if present:
+                found[kind] = present[0]
+        return found
+
+    def _ids(self, texts: list[str]) -> list[Sequence[int]]:
+        # No add_special_tokens: BOS/EOS are placed by _wrap, the same for every tokenizer.
+        encodings = self._tok.encode_batch_fast(texts, add_special_tokens=False)
+        return [e.ids for e in encodings]
+
+    def token_text(self, token_id: int) -> str:
+        return self._tok.id_to_token(token_id)
+
+    def copy_files(self, folder: Path) -> Path:
+        shutil.copyfile(self.path, folder / HF_TOKENIZER_FILE)
+        if self.config_path.is_file():
+            shutil.copyfile(self.config_path, folder / HF_TOKENIZER_CONFIG)
+        return folder / HF_TOKENIZER_FILE
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+def load_tokenizer(path: str | os.PathLike[str], num_threads: int | None = None) -> Tokenizer:
+    """The tokenizer at ``path``: a sentencepiece model, a tokenizer.json, or a folder holding
+    either (tokenizer.json first); a UserError naming the path otherwise."""
+    path = Path(path)
+    if path.is_dir():
+        for name in (HF_TOKENIZER_FILE, SENTENCEPIECE_FILE):
+            if (path / name).is_file():
+                return load_tokenizer(path / name, num_threads)
+        raise UserError(
+            f"tokenizer folder {str(path)!r} holds neither {HF_TOKENIZER_FILE} nor "
+            f"{SENTENCEPIECE_FILE}"
+        )
+    if not path.is_file():
+        raise UserError(f"tokenizer file {str(path)!r} does not exist")
+    try:
+        with open(path, "rb") as f:
+            start = f.read(64).lstrip()
+    except OSError as exc:
+        raise UserError(f"tokenizer file {str(path)!r} cannot be read ({exc.strerror})") from None
+    if start.startswith(b"{"):  # JSON: a serialized sentencepiece model is protobuf
+        return HFTokenizer(path, num_threads)
+    return SentencePieceTokenizer(path, num_threads)

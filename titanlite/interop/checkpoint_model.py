@@ -7,7 +7,6 @@ import dataclasses
 import logging
 import os
 import re
-import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,14 +20,16 @@ from torch.distributed.checkpoint import FileSystemWriter
 from titanlite import models
 from titanlite.checkpoint.folders import SIDECAR, model_name, read_sidecar, write_sidecar
 from titanlite.checkpoint.safe_reader import SafeFileSystemReader
-from titanlite.data.tokenizer import Tokenizer
+from titanlite.data.tokenizer import Tokenizer, load_tokenizer
 from titanlite.errors import UserError
 from titanlite.interop.folders import atomic_folder, check_output_folder, quiet_single_process
 from titanlite.models.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
 
-_CHECKPOINT_FILES = re.compile(r"^(\.metadata|.*\.distcp|titanlite\.json|tokenizer\.model)$")
+_CHECKPOINT_FILES = re.compile(
+    r"^(\.metadata|.*\.distcp|titanlite\.json|tokenizer\.model|tokenizer\.json|tokenizer_config\.json)$"
+)
 
 
 @dataclasses.dataclass
@@ -59,12 +60,12 @@ def checkpoint_tokenizer(
     path = override or meta.get("tokenizer")
     if not path:
         raise UserError("the checkpoint names no tokenizer: pass --tokenizer PATH")
-    if override is None and not Path(path).is_file():
+    if override is None and not Path(path).exists():
         raise UserError(
             f"tokenizer {str(path)!r} named by the checkpoint is not found from "
             f"{os.getcwd()!r}: pass --tokenizer PATH"
         )
-    tokenizer = Tokenizer(path)
+    tokenizer = load_tokenizer(path)
     if tokenizer.vocab_size > vocab_size:
         raise UserError(
             f"tokenizer {str(path)!r} has {tokenizer.vocab_size} tokens, the model {vocab_size}"
@@ -128,11 +129,12 @@ def save_model_checkpoint(
     spec: ModelSpec,
     args: Any,
     out: str | os.PathLike[str],
-    tokenizer: str | os.PathLike[str] | None = None,
+    tokenizer: Tokenizer | None = None,
     source: str = "",
 ) -> Path:
     """Write a model-only titanlite checkpoint (DCP "model" + titanlite.json) to ``out``,
-    atomically; a tokenizer file given is copied in as ``tokenizer.model``."""
+    atomically; a tokenizer given is copied in (tokenizer.model, or tokenizer.json and its
+    tokenizer_config.json) and named by titanlite.json."""
     out = Path(out)
     check_output_folder(out, _CHECKPOINT_FILES, SIDECAR, key="source")
     with atomic_folder(out) as tmp:
@@ -140,8 +142,8 @@ def save_model_checkpoint(
             dcp.save({"model": dict(state)}, storage_writer=FileSystemWriter(str(tmp)))
         tokenizer_path = None
         if tokenizer is not None:
-            shutil.copyfile(tokenizer, tmp / "tokenizer.model")
-            tokenizer_path = str((out / "tokenizer.model").resolve())
+            copied = tokenizer.copy_files(tmp)
+            tokenizer_path = str((out / copied.name).resolve())
         write_sidecar(
             tmp,
             {

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import sentencepiece as spm
 import torch
 
 from titanlite import models
@@ -34,7 +32,7 @@ EXPORT_MARKER = "titanlite_export.json"
 # Files an export (or an import) may contain; a folder with anything else is never replaced.
 _HF_EXPORT_FILES = re.compile(
     r"^(config\.json|model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|"
-    r"tokenizer\.model|tokenizer_config\.json|special_tokens_map\.json|"
+    r"tokenizer\.model|tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json|"
     + re.escape(EXPORT_MARKER)
     + r")$"
 )
@@ -79,12 +77,12 @@ def special_ids(tokenizer: Tokenizer | None) -> dict[str, int | None]:
 
 
 def tokenizer_files(tokenizer: Tokenizer, max_seq_len: int) -> dict[str, dict[str, Any]]:
-    """tokenizer_config.json and special_tokens_map.json for the sentencepiece model, so
-    ``AutoTokenizer`` loads it as a Llama tokenizer (BOS added, EOS not, as HF Llama does)."""
-    # The wrapper exposes special ids, not their strings: ask sentencepiece itself.
-    piece = spm.SentencePieceProcessor(model_file=str(tokenizer.path)).id_to_piece
+    """tokenizer_config.json and special_tokens_map.json for an export, so ``AutoTokenizer``
+    loads the tokenizer: a sentencepiece model as a Llama tokenizer (BOS added, EOS not, as HF
+    Llama does); a tokenizer.json as itself, keeping what its own config says (class, chat
+    template) and naming the special tokens titanlite trained with."""
     specials = {
-        f"{kind}_token": piece(token_id)
+        f"{kind}_token": tokenizer.token_text(token_id)
         for kind, token_id in (
             ("bos", tokenizer.bos_id),
             ("eos", tokenizer.eos_id),
@@ -93,15 +91,21 @@ def tokenizer_files(tokenizer: Tokenizer, max_seq_len: int) -> dict[str, dict[st
         )
         if token_id >= 0
     }
-    config = {
-        "tokenizer_class": "LlamaTokenizer",
-        **specials,
-        "add_bos_token": tokenizer.bos_id >= 0,
-        "add_eos_token": False,
-        "legacy": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": max_seq_len,
-    }
+    if tokenizer.kind == "huggingface":
+        source = tokenizer.config_path
+        config = read_json(source) if source.is_file() else {}
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", **config, **specials}
+        config |= {"clean_up_tokenization_spaces": False, "model_max_length": max_seq_len}
+    else:
+        config = {
+            "tokenizer_class": "LlamaTokenizer",
+            **specials,
+            "add_bos_token": tokenizer.bos_id >= 0,
+            "add_eos_token": False,
+            "legacy": False,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": max_seq_len,
+        }
     return {"tokenizer_config.json": config, "special_tokens_map.json": specials}
 
 
@@ -138,7 +142,7 @@ def save_hf(
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             write_json(tmp / "model.safetensors.index.json", index)
         write_json(tmp / "config.json", adapter.to_hf_config(args, special_ids(tokenizer), dtype))
-        shutil.copyfile(tokenizer.path, tmp / "tokenizer.model")
+        tokenizer.copy_files(tmp)
         for name, content in tokenizer_files(tokenizer, args.max_seq_len).items():
             write_json(tmp / name, content)
         marker = {

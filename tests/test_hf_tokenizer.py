@@ -1,0 +1,206 @@
+"""Hugging Face tokenizer.json tokenizers: trained here with scripts/train_tokenizer.py, found
+from a file or a folder, special ids from tokenizer_config.json, vocabularies past 65,535,
+and a run that trains, resumes under another layout and exports a folder transformers loads.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from titanlite.data import DataSpec, build_dataloader, load_tokenizer
+from titanlite.data.tokenizer import HFTokenizer, SentencePieceTokenizer
+from titanlite.errors import EXIT_USER_ERROR, UserError
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+import convert_to_hf  # noqa: E402
+import train_tokenizer  # noqa: E402
+
+TEXTS = [
+    "Hello  world,\n  indented\tand tabbed",
+    "ünïcödé, 你好, emoji 🙂 and 12345 + 678",
+    "",
+    "The quick brown fox jumps over the lazy dog.",
+]
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A byte-level BPE of 400 tokens trained on a small corpus: the folder it is in."""
+    root = tmp_path_factory.mktemp("bpe")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    words = (
+        "state union nation people congress freedom economy workers families children future "
+        "history liberty justice security progress promise courage country citizens"
+    ).split()
+    for i in range(40):
+        lines = [" ".join(words[(i * j + k) % len(words)] for k in range(12)) for j in range(10)]
+        (corpus / f"{i:02d}.txt").write_text(f"Document {i}, year {1900 + i}:\n" + "\n".join(lines))
+    out = root / "tokenizer"
+    args = ["--kind", "hf-bpe", "--dataset-path", str(corpus), "--vocab-size", "400"]
+    assert train_tokenizer.main([*args, "--out", str(out)]) == 0
+    return out
+
+
+def test_trained_bpe_is_a_lossless_tokenizer_json_folder(bpe: Path) -> None:
+    assert sorted(p.name for p in bpe.iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+    tok = load_tokenizer(bpe)
+    assert isinstance(tok, HFTokenizer) and tok.path == bpe / "tokenizer.json"
+    assert tok.vocab_size == 400
+    assert (tok.pad_id, tok.bos_id, tok.eos_id, tok.unk_id) == (0, 1, 2, -1)
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert ids[0] == 1 and ids[-1] == 2 and 1 not in ids[1:-1]
+        assert tok.decode(ids) == text  # byte-level: nothing lost, specials dropped
+    body = [tok.encode(t, bos=False, eos=False) for t in TEXTS]
+    assert tok.encode_batch(TEXTS, bos=False, eos=True) == [[*b, 2] for b in body]
+    packed = tok.encode_concat(TEXTS)
+    assert packed.dtype.name == "int32"
+    assert packed.tolist() == [i for b in body for i in (1, *b, 2)]
+
+
+def test_retraining_never_replaces_a_folder_holding_other_files(bpe: Path, tmp_path: Path) -> None:
+    out = tmp_path / "mine"
+    shutil.copytree(bpe, out)
+    (out / "notes.txt").write_text("keep me")
+    before = (out / "tokenizer.json").read_bytes()
+    args = ["--kind", "hf-bpe", "--dataset-path", str(bpe), "--out", str(out)]
+    assert train_tokenizer.main(args) == EXIT_USER_ERROR
+    assert (out / "tokenizer.json").read_bytes() == before
+    assert (out / "notes.txt").read_text() == "keep me"
+    assert train_tokenizer.main(["--kind", "hf-bpe"]) == EXIT_USER_ERROR  # no --out
+
+
+def test_the_kind_follows_what_the_path_holds(bpe: Path, tmp_path: Path) -> None:
+    assert isinstance(load_tokenizer(bpe / "tokenizer.json"), HFTokenizer)
+    sp_folder = tmp_path / "sp"
+    sp_folder.mkdir()
+    shutil.copyfile(
+        REPO / "titanlite" / "assets" / "tokenizer.model", sp_folder / "tokenizer.model"
+    )
+    assert isinstance(load_tokenizer(sp_folder), SentencePieceTokenizer)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(UserError, match="neither tokenizer.json nor tokenizer.model"):
+        load_tokenizer(empty)
+
+
+def test_bad_tokenizer_files_are_one_line_errors(bpe: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "tokenizer.json").write_text('{"model": {"type": "nothing I know"}}')
+    with pytest.raises(UserError) as info:
+        load_tokenizer(broken)
+    message = str(info.value)
+    assert "not a usable Hugging Face tokenizer.json" in message and str(broken) in message
+    assert "\n" not in message and "Exception" not in message
+
+    wrong = tmp_path / "wrong"
+    shutil.copytree(bpe, wrong)
+    config = json.loads((wrong / "tokenizer_config.json").read_text())
+    (wrong / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|nope|>"}))
+    with pytest.raises(UserError, match=r"eos_token '<\|nope\|>' is not a token"):
+        load_tokenizer(wrong)
+    (wrong / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(UserError, match="tokenizer_config.json is not valid JSON"):
+        load_tokenizer(wrong)
+
+
+def test_special_tokens_from_the_config_or_their_usual_names(bpe: Path, tmp_path: Path) -> None:
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copyfile(bpe / "tokenizer.json", bare / "tokenizer.json")
+    tok = load_tokenizer(bare)  # no tokenizer_config.json: <|begin_of_text|> etc. are found
+    assert (tok.pad_id, tok.bos_id, tok.eos_id) == (0, 1, 2)
+    no_bos = tmp_path / "no_bos"
+    shutil.copytree(bpe, no_bos)
+    config = json.loads((no_bos / "tokenizer_config.json").read_text())
+    config["bos_token"] = None  # as Qwen's config says
+    (no_bos / "tokenizer_config.json").write_text(json.dumps(config))
+    tok2 = load_tokenizer(no_bos)
+    assert tok2.bos_id == -1 and tok2.encode("state", bos=True, eos=True)[-1] == 2
+    assert tok2.encode("state")[0] != 1
+    # What a loader state is checked against: content and specials, not the path.
+    assert tok.fingerprint == load_tokenizer(bpe).fingerprint != tok2.fingerprint
+
+
+def large_vocab_tokenizer(folder: Path, words: int = 70_000) -> Path:
+    """A word-level tokenizer.json whose ids pass 65,535 (what a uint16 token file cannot hold)."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i + 3 for i in range(words)}
+    raw = RawTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    raw.decoder = decoders.WordPiece()
+    raw.add_special_tokens(["<unk>", "<s>", "</s>"])
+    folder.mkdir()
+    raw.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def test_ids_past_65535_survive_encoding_and_packing(tmp_path: Path) -> None:
+    tok = load_tokenizer(large_vocab_tokenizer(tmp_path / "big"))
+    assert tok.vocab_size == 70_003 and (tok.bos_id, tok.eos_id, tok.unk_id) == (1, 2, 0)
+    top = [f"w{i}" for i in range(69_990, 70_000)]
+    assert tok.encode(" ".join(top)) == [1, *range(69_993, 70_003), 2]
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(8):
+        (docs / f"{i}.txt").write_text(" ".join(top[i:] + [f"w{i}"] * 5))
+    spec = DataSpec(dataset_path=str(docs), seq_len=16, local_batch_size=2, validation_fraction=0)
+    inputs, labels = next(iter(build_dataloader(tok, spec, 0, 1, "train")))
+    assert inputs.dtype == torch.int64 and int(inputs.max()) > 65_535
+    assert set(inputs.flatten().tolist()) <= {1, 2, *range(3, 13), *range(69_993, 70_003)}
+
+
+@pytest.mark.slow
+def test_train_resume_under_another_layout_and_export(bpe: Path, tmp_path: Path) -> None:
+    """Two ranks train 6 steps with the BPE folder as model.tokenizer_path; one process
+    resumes the step-3 checkpoint and matches them; the export is a folder transformers'
+    AutoTokenizer loads, encoding as titanlite did."""
+    import train_scenarios
+    from pool import get_pool
+
+    common = [
+        "--model.tokenizer_path", str(bpe), "--model.n_layers", "2", "--training.steps", "6",
+        "--training.seq_len", "32", "--checkpoint.interval", "3", "--metrics.log_freq", "1",
+        "--validation.enable", "false",
+    ]  # fmt: skip
+
+    def losses(run: dict) -> dict[int, float]:
+        return {r["step"]: r["loss"] for r in run["records"] if "loss" in r}
+
+    two = tmp_path / "two"
+    argv = [*common, "--training.local_batch_size", "2", "--job.dump_folder", str(two)]
+    base = losses(get_pool(2).run(train_scenarios.train, argv=argv)[0])
+    assert sorted(base) == list(range(1, 7))
+    one = tmp_path / "one"
+    shutil.copytree(two / "checkpoint" / "step-3", one / "checkpoint" / "step-3")
+    argv = [*common, "--training.local_batch_size", "4", "--job.dump_folder", str(one)]
+    resumed = losses(get_pool(1).run(train_scenarios.train, argv=argv)[0])
+    assert sorted(resumed) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert abs(resumed[step] - base[step]) <= 1e-5 * base[step], (step, resumed, base)
+
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path / "hf"
+    assert convert_to_hf.main([str(two / "checkpoint" / "step-6"), str(out)]) == 0
+    assert {"tokenizer.json", "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
+    assert not (out / "tokenizer.model").exists()
+    config = json.loads((out / "config.json").read_text())
+    assert (config["vocab_size"], config["bos_token_id"], config["eos_token_id"]) == (400, 1, 2)
+    ours = load_tokenizer(bpe)
+    theirs = transformers.AutoTokenizer.from_pretrained(out)
+    assert (theirs.bos_token_id, theirs.eos_token_id, theirs.pad_token_id) == (1, 2, 0)
+    for text in TEXTS:
+        ids = ours.encode(text, bos=True, eos=False)  # as Llama 3's tokenizer adds BOS
+        assert theirs(text)["input_ids"] == ids, text
+        assert theirs.decode(ids, skip_special_tokens=True) == text

@@ -11,6 +11,7 @@ import dataclasses
 import sys
 
 from titanlite.config.parse import field_docs, field_types, sections, toml_value, type_name
+from titanlite.config.torchtitan import mapping_table_markdown
 
 
 def reference() -> str:
@@ -31,7 +32,7 @@ def reference() -> str:
             kind = type_name(types_[f.name]).replace("|", " \\| ")
             lines.append(f"| `{f.name}` | {kind} | `{shown}` | {docs.get(f.name, '')} |")
         lines.append("")
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n" + mapping_table_markdown()
 
 
 if __name__ == "__main__":

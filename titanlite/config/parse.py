@@ -16,6 +16,7 @@ import functools
 import importlib.util
 import inspect
 import json
+import logging
 import math
 import os
 import sys
@@ -24,6 +25,7 @@ import typing
 from typing import Any, Literal
 
 from titanlite.checkpoint.keys import STATE_KEYS
+from titanlite.config import torchtitan
 from titanlite.config.job_config import ConfigError, JobConfig
 from titanlite.errors import Problems
 
@@ -31,6 +33,8 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
+
+logger = logging.getLogger(__name__)
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
@@ -235,6 +239,8 @@ def load_config(argv: list[str]) -> JobConfig:
     config_file = overrides.get("job.config_file")
     if isinstance(config_file, str) and config_file:
         data = read_toml(config_file)  # nothing else can be checked without it
+        if torchtitan.looks_like_torchtitan(data):
+            data = from_torchtitan(data, config_file)
         with problems.check():
             apply_toml(cfg, data, config_file)
     for key, raw in overrides.items():
@@ -246,6 +252,27 @@ def load_config(argv: list[str]) -> JobConfig:
         validate(cfg)
     problems.raise_if_any(ConfigError)
     return cfg
+
+
+def from_torchtitan(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """A TorchTitan v0.2 file run as is: its titanlite equivalent, each ignored key logged as
+    a warning; a ConfigError listing what titanlite cannot honour when anything blocks."""
+    conversion = torchtitan.convert(data)
+    if conversion.blocking:
+        raise ConfigError(
+            f"{source} is a TorchTitan config with settings titanlite cannot honour "
+            "(change them, or see scripts/convert_torchtitan_config.py):",
+            *(f"{source}: {note.line()}" for note in conversion.blocking),
+        )
+    logger.warning(
+        "%s is a TorchTitan v0.2 config: running its titanlite equivalent "
+        "(scripts/convert_torchtitan_config.py writes it out)%s",
+        source,
+        "; ignored:" if conversion.dropped else "",
+    )
+    for note in conversion.dropped:
+        logger.warning("  %s", note.line())
+    return conversion.config
 
 
 def apply_toml(cfg: JobConfig, data: dict[str, Any], source: str) -> None:

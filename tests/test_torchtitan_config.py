@@ -1,0 +1,496 @@
+"""TorchTitan v0.2 configs: detection, conversion to titanlite keys, the blocking settings, the
+converter script's exit statuses and files, and the docs table (all torch-free and fast)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from titanlite.config import ConfigError, JobConfig, load_config
+from titanlite.config.parse import apply_toml, tomllib
+from titanlite.config.torchtitan import (
+    MAPPING,
+    Conversion,
+    convert,
+    looks_like_torchtitan,
+    mapping_table_markdown,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "scripts" / "convert_torchtitan_config.py"
+TRAIN_CONFIGS = sorted((REPO / "train_configs").glob("*.toml"))
+
+# Laid out like TorchTitan's llama3 debug_model.toml (same sections and keys, values of our own).
+TT_DEBUG = """
+[job]
+dump_folder = "./runs/tt_debug"
+description = "small llama for a smoke test"
+print_config = false
+
+[profiling]
+enable_profiling = false
+save_traces_folder = "traces"
+profile_freq = 20
+enable_memory_snapshot = false
+save_memory_snapshot_folder = "snapshots"
+
+[metrics]
+log_freq = 2
+disable_color_printing = true
+enable_tensorboard = false
+save_tb_folder = "board"
+enable_wandb = false
+
+[model]
+name = "llama3"
+flavor = "debugmodel"
+hf_assets_path = "./assets/debug_tokenizer"  # a folder with tokenizer.json
+# converters = ["quantize.linear.float8"]
+
+[optimizer]
+name = "AdamW"
+lr = 1e-3
+eps = 1e-7
+
+[lr_scheduler]
+warmup_steps = 3
+decay_ratio = 0.5
+decay_type = "cosine"
+min_lr_factor = 0.05
+
+[training]
+local_batch_size = 4
+seq_len = 512
+max_norm = 0.5
+steps = 30
+dataset = "c4_test"
+
+[parallelism]
+data_parallel_replicate_degree = 1
+data_parallel_shard_degree = -1
+fsdp_reshard_after_forward = "never"
+tensor_parallel_degree = 2
+enable_async_tensor_parallel = false
+pipeline_parallel_degree = 1
+pipeline_parallel_schedule = "1F1B"
+context_parallel_degree = 1
+
+[checkpoint]
+enable = true
+folder = "ckpt"
+interval = 15
+last_save_model_only = false
+export_dtype = "bfloat16"
+async_mode = "async_with_pinned_mem"
+
+[activation_checkpoint]
+mode = "selective"
+selective_ac_option = '3'
+
+[compile]
+enable = true
+components = ["model", "loss"]
+
+[quantize.linear.float8]
+enable_fsdp_float8_all_gather = true
+precompute_float8_dynamic_scale_for_fsdp = true
+filter_fqns = ["output"]
+
+[validation]
+enable = true
+dataset = "c4_validation"
+freq = 10
+steps = 4
+"""
+
+# Laid out like TorchTitan's llama3_8b.toml.
+TT_8B = """
+# a multi-node preset
+[job]
+dump_folder = "./runs/tt_8b"
+description = "llama 3 8B pretraining"
+
+[profiling]
+enable_profiling = true
+save_traces_folder = "profile_trace"
+profile_freq = 50
+
+[metrics]
+log_freq = 5
+enable_tensorboard = true
+save_tb_folder = "tb"
+
+[model]
+name = "llama3"
+flavor = "8B"
+hf_assets_path = "/models/Llama-3.1-8B"
+
+[optimizer]
+name = "AdamW"
+lr = 2e-4
+eps = 1e-8
+
+[lr_scheduler]
+warmup_steps = 100
+
+[training]
+local_batch_size = 2
+seq_len = 4096
+max_norm = 1.0
+steps = 2000
+dataset = "c4"
+
+[parallelism]
+data_parallel_replicate_degree = 2
+data_parallel_shard_degree = -1
+tensor_parallel_degree = 4
+pipeline_parallel_degree = 1
+context_parallel_degree = 1
+
+[checkpoint]
+enable = true
+folder = "checkpoint"
+interval = 250
+last_save_model_only = true
+export_dtype = "float32"
+async_mode = "disabled"
+
+[compile]
+enable = false
+components = ["model", "loss"]
+
+[activation_checkpoint]
+mode = "full"
+selective_ac_option = "op"
+
+[quantize.linear.float8]
+enable_fsdp_float8_all_gather = false
+precompute_float8_dynamic_scale_for_fsdp = false
+filter_fqns = ["output"]
+
+[validation]
+enable = false
+dataset = "c4_validation"
+freq = 250
+steps = 100
+"""
+
+
+def parsed(text: str) -> dict:
+    return tomllib.loads(text)
+
+
+def converted(text: str) -> Conversion:
+    conv = convert(parsed(text))
+    apply_toml(JobConfig(), conv.config, "converted")  # every key exists with the right type
+    return conv
+
+
+def dropped_keys(conv: Conversion) -> set[str]:
+    return {note.key for note in conv.dropped}
+
+
+def blocking_keys(conv: Conversion) -> set[str]:
+    return {note.key for note in conv.blocking}
+
+
+# --- conversion -------------------------------------------------------------------------------
+
+
+def test_debug_model_converts() -> None:
+    conv = converted(TT_DEBUG)
+    c = conv.config
+    assert conv.blocking == []
+    assert c["job"] == {"dump_folder": "./runs/tt_debug", "description": "small llama for a smoke test"}  # fmt: skip
+    # TorchTitan's debugmodel shape, and its 2048-row embedding since a tokenizer is named
+    assert c["model"] == {
+        "name": "llama3",
+        "flavor": "debugmodel",
+        "tokenizer_path": "./assets/debug_tokenizer",
+        "vocab_size": 2048,
+        "n_layers": 6,
+        "n_heads": 16,
+        "n_kv_heads": 16,
+        "multiple_of": 256,
+    }
+    assert c["optimizer"] == {"name": "AdamW", "lr": 1e-3, "eps": 1e-7}
+    assert c["lr_scheduler"] == {"warmup_steps": 3, "decay_ratio": 0.5, "decay_type": "cosine", "min_lr_factor": 0.05}  # fmt: skip
+    t = c["training"]
+    assert (t["steps"], t["local_batch_size"], t["seq_len"], t["max_norm"]) == (30, 4, 512, 0.5)
+    assert t["dataset"] == "sotu" and "dataset_path" not in t
+    assert t["mixed_precision_param"] == "bfloat16"  # TorchTitan's default, unlike titanlite's
+    p = c["parallelism"]
+    assert (p["tensor_parallel_degree"], p["data_parallel_shard_degree"]) == (2, -1)
+    assert p["fsdp_reshard_after_forward"] == "never" and "pipeline_parallel_degree" not in p
+    assert c["checkpoint"] == {
+        "enable": True,
+        "folder": "ckpt",
+        "interval": 15,
+        "keep_latest_k": 10,  # TorchTitan's default
+        "async_mode": "async",
+        "last_save_model_only": False,
+        "export_dtype": "bfloat16",
+    }
+    assert c["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "3"}
+    assert c["compile"] == {"enable": True}
+    assert c["metrics"] == {"log_freq": 2, "enable_wandb": False, "enable_tensorboard": False, "tensorboard_folder": "board"}  # fmt: skip
+    assert c["profiling"]["save_traces_folder"] == "traces"
+    assert c["validation"] == {"enable": True, "freq": 10, "steps": 4}
+    # the degrees at 1, the float8 settings without converters: accepted silently; TorchTitan
+    # would validate with its default batch 8 x 2048, titanlite uses the training shape
+    assert dropped_keys(conv) == {
+        "training.dataset",
+        "compile.components",
+        "validation.dataset",
+        "validation.local_batch_size",
+        "validation.seq_len",
+    }
+    assert ("model.hf_assets_path", "model.tokenizer_path") in conv.mapped
+    assert ("metrics.save_tb_folder", "metrics.tensorboard_folder") in conv.mapped
+
+
+def test_8b_converts() -> None:
+    conv = converted(TT_8B)
+    c = conv.config
+    assert conv.blocking == [] and conv.dropped == []
+    assert c["model"] == {"name": "llama3", "flavor": "8B", "tokenizer_path": "/models/Llama-3.1-8B", "vocab_size": 128256}  # fmt: skip
+    assert c["optimizer"]["lr"] == 2e-4 and c["lr_scheduler"] == {"warmup_steps": 100}
+    t = c["training"]
+    assert (t["steps"], t["local_batch_size"], t["seq_len"]) == (2000, 2, 4096)
+    assert (t["dataset"], t["dataset_config"]) == ("allenai/c4", "en")
+    assert c["parallelism"] == {
+        "data_parallel_replicate_degree": 2,
+        "data_parallel_shard_degree": -1,
+        "tensor_parallel_degree": 4,
+    }
+    assert c["checkpoint"]["interval"] == 250 and c["checkpoint"]["last_save_model_only"] is True
+    assert c["activation_checkpoint"] == {"mode": "full", "selective_ac_option": "op"}
+    assert c["metrics"]["enable_tensorboard"] is True
+    assert c["profiling"] == {"enable_profiling": True, "profile_freq": 50, "save_traces_folder": "profile_trace"}  # fmt: skip
+
+
+def test_renamed_keys_and_defaults() -> None:
+    conv = converted(
+        '[model]\nhf_assets_path = "hf"\ntokenizer_path = "old/tok"\n[debug]\nseed = 7\n'
+        'deterministic = true\n[comm]\nmode = "fake_backend"\n[checkpoint]\n'
+        'exclude_from_loading = "optimizer,dataloader"\n'
+    )
+    c = conv.config
+    assert c["model"]["tokenizer_path"] == "old/tok"  # the deprecated key wins, as in TorchTitan
+    assert c["training"]["seed"] == 7 and c["training"]["deterministic"] is True
+    assert c["job"] == {"dry_run": True}
+    assert c["checkpoint"]["exclude_from_loading"] == ["optimizer", "dataloader"]
+    assert c["checkpoint"]["enable"] is False  # TorchTitan's default when unset
+    assert c["activation_checkpoint"] == {"mode": "selective"}
+    assert conv.blocking == []
+
+
+def test_without_tokenizer_the_vocabulary_follows_titanlite_default() -> None:
+    conv = converted('[model]\nname = "qwen3"\nflavor = "debugmodel"\n[job]\nprint_config = true\n')
+    assert "vocab_size" not in conv.config["model"] and "tokenizer_path" not in conv.config["model"]
+    assert conv.config["model"]["head_dim"] == 128
+    assert {"model.hf_assets_path", "job.print_config"} <= dropped_keys(conv)
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("[parallelism]\npipeline_parallel_degree = 2\n", "parallelism.pipeline_parallel_degree"),
+        ("[parallelism]\ncontext_parallel_degree = 4\n", "parallelism.context_parallel_degree"),
+        ("[parallelism]\nexpert_parallel_degree = 8\n", "parallelism.expert_parallel_degree"),
+        ('[model]\nname = "deepseek_v3"\nflavor = "16B"\n', "model.name"),
+        ('[model]\nname = "qwen3"\nflavor = "30B-A3B"\n', "model.flavor"),
+        ('[model]\nconverters = ["quantize.linear.float8"]\n', "model.converters"),
+        ('[optimizer]\nname = "Adam"\n', "optimizer.name"),
+        ('[checkpoint]\ninitial_load_path = "/ckpt/step-100"\n', "checkpoint.initial_load_path"),
+        ("[fault_tolerance]\nenable = true\n", "fault_tolerance.enable"),
+        ('[training]\ndataset = "my_registered_set"\n', "training.dataset"),
+    ],
+)
+def test_blocking(text: str, key: str) -> None:
+    conv = converted(text)
+    assert key in blocking_keys(conv)
+    assert any(line.startswith(f"blocking: {key} = ") for line in conv.report_lines())
+
+
+def test_report_line_for_pipeline_parallelism() -> None:
+    conv = convert(parsed("[parallelism]\npipeline_parallel_degree = 2\n"))
+    assert conv.report_lines()[0] == (
+        "blocking: parallelism.pipeline_parallel_degree = 2: "
+        "titanlite has no pipeline parallelism yet; set it to 1"
+    )
+
+
+def test_unknown_and_unsupported_keys_are_dropped_with_advice() -> None:
+    conv = converted(
+        '[training]\ndtype = "bfloat16"\nbogus = 1\n[training.dataloader]\nnum_workers = 4\n'
+        '[activation_checkpoint]\nmode = "memory_budget"\n[model]\nflavor = "debugmodel_flex_attn"\n'
+    )
+    assert conv.blocking == []
+    assert {"training.dtype", "training.bogus", "activation_checkpoint.mode", "model.flavor"} <= dropped_keys(conv)  # fmt: skip
+    assert "training.dataloader.num_workers" not in dropped_keys(conv)
+    assert conv.config["model"]["flavor"] == "debugmodel"
+    assert "mode" not in conv.config.get("activation_checkpoint", {})
+
+
+# --- detection --------------------------------------------------------------------------------
+
+
+def test_torchtitan_files_are_detected() -> None:
+    assert looks_like_torchtitan(parsed(TT_DEBUG)) and looks_like_torchtitan(parsed(TT_8B))
+    for marker in (
+        '[model]\nhf_assets_path = "x"\n',
+        "[job]\nprint_config = false\n",
+        "[parallelism]\npipeline_parallel_degree = 1\n",
+        "[quantize.linear.float8]\nfilter_fqns = []\n",
+        '[training]\ndataset = "c4_test"\n',
+    ):
+        assert looks_like_torchtitan(parsed(marker)), marker
+
+
+@pytest.mark.parametrize("path", TRAIN_CONFIGS, ids=lambda p: p.name)
+def test_titanlite_configs_are_not_detected(path: Path) -> None:
+    assert not looks_like_torchtitan(tomllib.loads(path.read_text()))
+
+
+def test_titanlite_config_with_unknown_keys_is_not_detected() -> None:
+    text = (REPO / "train_configs" / "debug_model.toml").read_text()
+    assert not looks_like_torchtitan(parsed(text + "\n[extra]\nfoo = 1\n"))
+    assert not looks_like_torchtitan(
+        parsed('[training]\ndatset = "sotu"\n[model]\nflavour = "x"\n')
+    )
+
+
+# --- the script -------------------------------------------------------------------------------
+
+
+def convert_script(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_script_writes_a_loadable_config(tmp_path: Path) -> None:
+    source, out = tmp_path / "tt.toml", tmp_path / "out.toml"
+    source.write_text(TT_DEBUG)
+    result = convert_script(source, out)
+    assert result.returncode == 0, result.stderr
+    assert "training.dataset" in result.stderr  # the report
+    text = out.read_text()
+    assert text.startswith(f"# Converted from the TorchTitan config {source}")
+    assert '#   compile.components = ["model", "loss"]' in text
+    apply_toml(JobConfig(), tomllib.loads(text), str(out))
+    assert tomllib.loads(text) == convert(parsed(TT_DEBUG)).config
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.toml", "tt.toml"]  # no temp file
+
+
+def test_script_refuses_to_overwrite_without_force(tmp_path: Path) -> None:
+    source, out = tmp_path / "tt.toml", tmp_path / "out.toml"
+    source.write_text(TT_8B)
+    out.write_text("# mine\n")
+    result = convert_script(source, out)
+    assert result.returncode == 2 and out.read_text() == "# mine\n"
+    assert result.stderr.strip().splitlines()[-1].startswith("convert_torchtitan_config: error: ")
+    assert "--force" in result.stderr
+    assert convert_script(source, out, "--force").returncode == 0
+    assert tomllib.loads(out.read_text())["model"]["flavor"] == "8B"
+
+
+@pytest.mark.parametrize("case", ["missing", "invalid", "titanlite", "blocking"])
+def test_script_errors(tmp_path: Path, case: str) -> None:
+    source, out = tmp_path / "in.toml", tmp_path / "out.toml"
+    if case == "invalid":
+        source.write_text("[model\nname = 1\n")
+    elif case == "titanlite":
+        source = REPO / "train_configs" / "debug_model.toml"
+    elif case == "blocking":
+        source.write_text(TT_8B.replace("pipeline_parallel_degree = 1", "pipeline_parallel_degree = 2"))  # fmt: skip
+    result = convert_script(source, out)
+    assert result.returncode == 2
+    assert not out.exists()
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("convert_torchtitan_config: error: ")
+    if case == "blocking":
+        assert "blocking: parallelism.pipeline_parallel_degree = 2" in result.stderr
+        assert "nothing written" in last
+    if case != "blocking":
+        assert len(result.stderr.strip().splitlines()) == 1
+
+
+# --- run as is -------------------------------------------------------------------------------
+
+
+def test_run_as_is_loads_the_titanlite_equivalent(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """./run_train.sh their.toml: converted in memory, ignored keys logged, and the command
+    line (in titanlite's names) still wins."""
+    source = tmp_path / "tt.toml"
+    source.write_text(TT_DEBUG)
+    with caplog.at_level(logging.WARNING, logger="titanlite.config.parse"):
+        cfg = load_config(["--job.config_file", str(source), "--training.steps", "3"])
+    assert (cfg.model.n_layers, cfg.model.vocab_size, cfg.training.steps) == (6, 2048, 3)
+    assert cfg.checkpoint.async_mode == "async" and cfg.training.dataset == "sotu"
+    assert cfg.job.config_file == str(source)
+    logged = caplog.text
+    assert "is a TorchTitan v0.2 config" in logged and "convert_torchtitan_config.py" in logged
+    assert 'compile.components = ["model", "loss"]' in logged
+
+
+def test_run_as_is_refuses_what_titanlite_cannot_honour_line_by_line(tmp_path: Path) -> None:
+    source = tmp_path / "tt.toml"
+    text = TT_DEBUG.replace("pipeline_parallel_degree = 1", "pipeline_parallel_degree = 2")
+    source.write_text(text.replace('# converters = ["quantize', 'converters = ["quantize'))
+    with pytest.raises(ConfigError) as info:
+        load_config(["--job.config_file", str(source)])
+    lines = str(info.value).split("\n")
+    assert len(lines) == 3 and "cannot honour" in lines[0]
+    assert any("parallelism.pipeline_parallel_degree = 2" in line for line in lines[1:])
+    assert any("model.converters" in line for line in lines[1:])
+
+
+@pytest.mark.slow
+def test_torchtitan_debug_config_trains_as_is(tmp_path: Path) -> None:
+    """Their debug file, its hf_assets_path a tokenizer.json folder, trains 2 steps at their
+    tp 2 on 2 ranks (float32 and no compile, to stay quick on a CPU)."""
+    import train_scenarios
+    from pool import get_pool
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    import train_tokenizer
+
+    tokenizer = tmp_path / "debug_tokenizer"
+    args = ["--kind", "hf-bpe", "--vocab-size", "300", "--out", str(tokenizer)]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text((REPO / "README.md").read_text())
+    args += ["--dataset-path", str(corpus), "--validation-fraction", "0"]
+    assert train_tokenizer.main(args) == 0
+    source = tmp_path / "tt.toml"
+    source.write_text(TT_DEBUG.replace("./assets/debug_tokenizer", str(tokenizer)))
+    argv = [
+        "--job.config_file", str(source), "--job.dump_folder", str(tmp_path / "run"),
+        "--training.steps", "2", "--training.seq_len", "64", "--training.local_batch_size", "2",
+        "--training.mixed_precision_param", "float32", "--compile.enable", "false",
+        "--validation.steps", "1",
+    ]  # fmt: skip
+    run = get_pool(2).run(train_scenarios.train, argv=argv)[0]
+    losses = [r["loss"] for r in run["records"] if "loss" in r]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    assert run["info"]["parallel_degrees"]["tp"] == 2
+    assert (tmp_path / "run" / "ckpt" / "step-2").is_dir()  # their checkpoint.folder
+
+
+# --- docs -------------------------------------------------------------------------------------
+
+
+def test_markdown_table_lists_every_key() -> None:
+    text = mapping_table_markdown()
+    assert text.startswith("## TorchTitan v0.2 configs\n")
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    assert [row.split("`")[1] for row in rows] == list(MAPPING)
+    assert "| `metrics.save_tb_folder` | `metrics.tensorboard_folder` |" in text

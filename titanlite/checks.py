@@ -11,7 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from titanlite import models
-from titanlite.config import ConfigError, JobConfig, gradient_accumulation_steps, resolve_degrees
+from titanlite.config import (
+    ConfigError,
+    Degrees,
+    JobConfig,
+    gradient_accumulation_steps,
+    resolve_degrees,
+)
+from titanlite.config.layout import pipeline_plan
 from titanlite.data.tokenizer import Tokenizer, load_tokenizer
 from titanlite.errors import Problems
 from titanlite.models.spec import ModelSpec
@@ -56,6 +63,29 @@ def build_model_args(cfg: JobConfig, tokenizer_vocab: int) -> tuple[ModelSpec, A
     return spec, args
 
 
+def check_pipeline(cfg: JobConfig, degrees: Degrees, args: Any, problems: Problems) -> None:
+    """The pipeline split and schedule, and what pipeline parallelism does not compose with yet."""
+    with problems.check():
+        pipeline_plan(cfg, degrees, args.n_layers)
+    p = cfg.parallelism
+    if "ZeroBubble" in p.pipeline_parallel_schedule and p.fsdp_reshard_after_forward == "always":
+        problems.add(
+            f"parallelism.fsdp_reshard_after_forward always gives wrong gradients with the "
+            f"{p.pipeline_parallel_schedule} schedule (torch 2.13); use default or never"
+        )
+    if args.tie_embeddings:
+        problems.add(
+            "model.tie_embeddings: tied embeddings under pipeline parallelism are not built yet "
+            "(set model.tie_embeddings = false, or parallelism.pipeline_parallel_degree = 1)"
+        )
+    if degrees.dp_replicate > 1 and degrees.dp_shard == 1:
+        problems.add(
+            "parallelism: pipeline parallelism with titanlite's own DDP "
+            "(data_parallel_replicate_degree > 1 without sharding) is not built yet; use "
+            "data_parallel_shard_degree (FSDP) for the data-parallel ranks"
+        )
+
+
 def check(cfg: JobConfig, world_size: int) -> Tokenizer | None:
     """Raise a UserError for anything about this run that is wrong before it starts (every
     independent problem at once); returns the (valid) tokenizer, or None in a dry run given
@@ -83,6 +113,8 @@ def check(cfg: JobConfig, world_size: int) -> Tokenizer | None:
                         f"parallelism.tensor_parallel_degree {tp} does not divide model.{key} "
                         f"{value}"
                     )
+            if degrees and degrees.pp > 1:
+                check_pipeline(cfg, degrees, args, problems)
     if degrees and cfg.training.seq_len % degrees.tp:
         problems.add(
             f"parallelism.tensor_parallel_degree {degrees.tp} does not divide training.seq_len "

@@ -47,10 +47,11 @@ def dry_run(cfg: JobConfig, world_size: int, tokenizer_vocab: int) -> str:
         with torch.device("meta"):
             model = spec.build(args)
         total = count_params(model)
-        parallelize(model, spec, args, dims, cfg, device=None)
-        params = list({id(p): p for p in model.parameters()}.values())
+        # Under pipeline parallelism a rank holds only its stages: those are what it sizes.
+        parts = parallelize(model, spec, args, dims, cfg, device=None).parts
+        params = list({id(p): p for part in parts for p in part.parameters()}.values())
         local_numel = local_bytes(params) // 4  # still float32 on meta
-        init_lines = _initialize_one_rank(model, spec, args, cfg, rank) if init_rank >= 0 else []
+        init_lines = _initialize_one_rank(parts, spec, args, cfg, rank) if init_rank >= 0 else []
     finally:
         dist.destroy_process_group()
     state = {k: local_numel * b / GIB for k, b in BYTES_PER_PARAM.items()}
@@ -73,13 +74,16 @@ def dry_run(cfg: JobConfig, world_size: int, tokenizer_vocab: int) -> str:
     )
 
 
-def _initialize_one_rank(model, spec, args, cfg: JobConfig, rank: int) -> list[str]:  # noqa: ANN001
+def _initialize_one_rank(parts, spec, args, cfg: JobConfig, rank: int) -> list[str]:  # noqa: ANN001
     """Allocate and initialize this (fake) rank's shards on the CPU; report the cost."""
     before = _rss_bytes()
     start = time.perf_counter()
-    stats = materialize(model, spec, args, "cpu", cfg.training.seed)
+    stats = {"elements": 0, "allocate_s": 0.0, "init_s": 0.0}
+    for part in parts:
+        for key, value in materialize(part, spec, args, "cpu", cfg.training.seed).items():
+            stats[key] += value
     seconds = time.perf_counter() - start
-    params = list({id(p): p for p in model.parameters()}.values())
+    params = list({id(p): p for part in parts for p in part.parameters()}.values())
     shard = local_bytes(params)
     peak_increase = max(_peak_rss_bytes() - before, 0)
     finite = all(

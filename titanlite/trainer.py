@@ -104,8 +104,11 @@ class Trainer:
         self.model = parallelize(
             model, self.spec, self.model_args, self.dims, cfg, self.device,
             init_weights=not will_load_weights(cfg.checkpoint, checkpoint_folder),
+            loss_sum=cross_entropy_sum,
         )  # fmt: skip
         self.params = [p for part in self.model.parts for p in part.parameters() if p.requires_grad]
+        # Under pipeline parallelism each rank holds some stages: norms add up over pp.
+        self.stage_group = self.dims.group("pp") if degrees.pp > 1 else None
         self.startup.mark("model")
 
         # 4. Optimization: one optimizer and schedule per model part.
@@ -219,10 +222,13 @@ class Trainer:
             inputs = inputs.to(self.device, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
             with self.model.grad_sync(i == len(batches) - 1), self.model.train_context():
-                ce = cross_entropy_sum(self.model(inputs), labels)
-                (ce * scale).backward()
+                if self.model.pipeline is not None:  # forward and backward in every stage
+                    ce = self.model.pipeline.forward_backward(inputs, labels, scale)
+                else:
+                    ce = cross_entropy_sum(self.model(inputs), labels)
+                    (ce * scale).backward()
             loss_sum += full(ce.detach())
-        grad_norm = clip_grad_norm_(self.params, self.cfg.training.max_norm)
+        grad_norm = clip_grad_norm_(self.params, self.cfg.training.max_norm, self.stage_group)
         self.last_lr = self.lr_schedulers[0].get_last_lr()[0]  # the rate this step uses
         for optimizer, scheduler in zip(self.optimizers, self.lr_schedulers, strict=True):
             optimizer.step()
@@ -286,7 +292,11 @@ class Trainer:
                 break
             inputs, labels = (t.to(self.device) for t in batch)
             with self.model.train_context():
-                loss_sum += full(cross_entropy_sum(self.model(inputs), labels)).double()
+                if self.model.pipeline is not None:
+                    ce = self.model.pipeline.evaluate(inputs, labels)
+                else:
+                    ce = cross_entropy_sum(self.model(inputs), labels)
+                loss_sum += full(ce).double()
             count += (labels != IGNORE_INDEX).sum()
             batches += 1
         self.model.train(True)

@@ -139,6 +139,20 @@ class Parallelism:
     """With tensor parallelism, gather the full logits instead of computing the loss on vocab shards."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """Free gathered parameters after forward: always, never (faster, more memory), or default (all blocks but the last)."""
+    pipeline_parallel_degree: int = 1
+    """Ranks the model's blocks are split across as pipeline stages (the outermost mesh dimension)."""
+    pipeline_parallel_schedule: Literal[
+        "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"
+    ] = "1F1B"
+    """Pipeline schedule; Interleaved1F1B, LoopedBFS, InterleavedZeroBubble and ZBVZeroBubble run several stages per rank (README, Pipeline parallelism)."""
+    pipeline_parallel_microbatch_size: int = 1
+    """Sequences per pipeline micro-batch; training.local_batch_size must be a multiple of it (their ratio is the number of micro-batches in flight)."""
+    pipeline_parallel_layers_per_stage: int | None = None
+    """Blocks per pipeline stage (unset = the blocks split evenly over pp x stages per rank: 1 stage per rank, 2 for multi-stage schedules)."""
+    pipeline_parallel_first_stage_less_layers: int = 0
+    """Blocks fewer in the first stage than in the others (it also holds the embedding)."""
+    pipeline_parallel_last_stage_less_layers: int = 0
+    """Blocks fewer in the last stage than in the others (it also holds the output projection and the loss)."""
 
 
 @dataclass

@@ -4,13 +4,14 @@ Kept free of torch so the launcher can reject an impossible layout before any pr
 starts. The mesh has five named dimensions, outermost first: pp (pipeline stages),
 dp_replicate (replicas), dp_shard (FSDP shards), cp (context parallel) and tp (tensor
 parallel); ep (expert parallel) is a view that borrows ranks from dp_shard x cp x tp.
-Today's config sets dp_replicate, dp_shard and tp; pp, cp and ep stay 1 until their
-parallelisms exist.
+The config sets pp, dp_replicate, dp_shard and tp; cp and ep stay 1 until their
+parallelisms exist. ``pipeline_plan`` splits the blocks into pipeline stages.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from titanlite.config.job_config import ConfigError, JobConfig
 
@@ -70,26 +71,162 @@ class Degrees:
 def resolve_degrees(cfg: JobConfig, world_size: int) -> Degrees:
     """Fill in data_parallel_shard_degree=-1 and check the product equals the world size."""
     p = cfg.parallelism
-    rep, shard, tp = (
+    pp, rep, shard, tp = (
+        p.pipeline_parallel_degree,
         p.data_parallel_replicate_degree,
         p.data_parallel_shard_degree,
         p.tensor_parallel_degree,
     )
+    named = "data_parallel_replicate_degree x tensor_parallel_degree"
+    others = f"{rep} x {tp}"
+    if pp > 1:
+        named, others = f"pipeline_parallel_degree x {named}", f"{pp} x {others}"
     if shard == -1:
-        if world_size % (rep * tp):
+        if world_size % (pp * rep * tp):
             raise ConfigError(
-                f"parallelism: world size {world_size} is not divisible by "
-                f"data_parallel_replicate_degree x tensor_parallel_degree = {rep} x {tp}"
+                f"parallelism: world size {world_size} is not divisible by {named} = {others}"
             )
-        shard = world_size // (rep * tp)
-    degrees = Degrees(dp_replicate=rep, dp_shard=shard, tp=tp)
+        shard = world_size // (pp * rep * tp)
+    degrees = Degrees(dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp)
     if degrees.world_size != world_size:
+        all_named = named.replace(" x tensor", " x data_parallel_shard_degree x tensor")
+        all_values = f"{others.rsplit(' x ', 1)[0]} x {shard} x {tp}"
         raise ConfigError(
-            f"parallelism: data_parallel_replicate_degree x data_parallel_shard_degree x "
-            f"tensor_parallel_degree = {rep} x {shard} x {tp} = {degrees.world_size}, "
+            f"parallelism: {all_named} = {all_values} = {degrees.world_size}, "
             f"but the world size is {world_size}"
         )
     return degrees
+
+
+# Schedules that run several stages per rank: "loop" places stage s on rank s % pp, "v" gives
+# rank r stages r and 2 pp - 1 - r (the V shape, so the first and last stage share a rank).
+MULTI_STAGE: dict[str, Literal["loop", "v"]] = {
+    "Interleaved1F1B": "loop",
+    "LoopedBFS": "loop",
+    "InterleavedZeroBubble": "loop",
+    "ZBVZeroBubble": "v",
+}
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """Which blocks each pipeline stage holds and which stages each pp rank runs."""
+
+    schedule: str
+    pp: int
+    stage_blocks: tuple[tuple[int, ...], ...]
+    """Block indices of each stage, in order (stage 0 also holds the embedding, the last
+    stage the final norm, the output projection and the loss)."""
+    microbatches: int
+    """Pipeline micro-batches per local batch."""
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.stage_blocks)
+
+    @property
+    def style(self) -> Literal["single", "loop", "v"]:
+        return MULTI_STAGE.get(self.schedule, "single")
+
+    def stage_rank(self, stage: int) -> int:
+        """The pp rank that runs ``stage``."""
+        if self.style == "v" and stage >= self.pp:
+            return 2 * self.pp - 1 - stage
+        return stage % self.pp
+
+    def rank_stages(self, pp_rank: int) -> list[int]:
+        """The stage indices pp rank ``pp_rank`` runs, in increasing order."""
+        if self.style == "v":
+            return [pp_rank, 2 * self.pp - 1 - pp_rank]
+        return list(range(pp_rank, self.n_stages, self.pp))
+
+    def describe(self) -> str:
+        sizes = "/".join(str(len(b)) for b in self.stage_blocks)
+        return (
+            f"{self.schedule}, {self.n_stages} stages of {sizes} blocks, "
+            f"{self.microbatches} micro-batches"
+        )
+
+
+def pipeline_plan(cfg: JobConfig, degrees: Degrees, n_layers: int) -> PipelinePlan | None:
+    """The pipeline split of ``n_layers`` blocks (None without pipeline parallelism); a
+    ConfigError naming the key for a split or schedule that cannot work."""
+    p, pp = cfg.parallelism, degrees.pp
+    if pp == 1:
+        return None
+    schedule, style = p.pipeline_parallel_schedule, MULTI_STAGE.get(p.pipeline_parallel_schedule)
+    first_less, last_less = (
+        p.pipeline_parallel_first_stage_less_layers,
+        p.pipeline_parallel_last_stage_less_layers,
+    )
+    slots = n_layers + first_less + last_less  # as if the first and last had full stages
+    per_stage = p.pipeline_parallel_layers_per_stage
+    if per_stage is None:
+        n_stages = pp * (2 if style else 1)
+    elif slots % per_stage:
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_layers_per_stage {per_stage} does not divide the "
+            f"{n_layers} blocks + first/last_stage_less_layers {first_less} + {last_less}"
+        )
+    else:
+        n_stages = slots // per_stage
+    if n_stages % pp:
+        raise ConfigError(
+            f"parallelism: {n_stages} pipeline stages do not divide evenly over "
+            f"pipeline_parallel_degree {pp} ranks"
+        )
+    per_rank = n_stages // pp
+    if style and per_rank < 2:
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_schedule {schedule} runs several stages per rank, "
+            f"but the split gives {per_rank} (use fewer pipeline_parallel_layers_per_stage, or "
+            "GPipe / 1F1B)"
+        )
+    if style == "v" and per_rank != 2:
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_schedule {schedule} needs exactly 2 stages per rank, "
+            f"but the split gives {per_rank}"
+        )
+    if not style and per_rank != 1:
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_schedule {schedule} runs one stage per rank, but the "
+            f"split gives {per_rank} (use Interleaved1F1B, LoopedBFS or InterleavedZeroBubble)"
+        )
+    base, extra = divmod(slots, n_stages)
+    sizes = [base + (1 if i < extra else 0) for i in range(n_stages)]
+    sizes[0] -= first_less
+    sizes[-1] -= last_less
+    if min(sizes) < 0 or min(sizes[1:-1], default=1) < 1:  # only the ends may hold no block
+        raise ConfigError(
+            f"parallelism: {n_layers} blocks cannot fill {n_stages} pipeline stages with "
+            f"first/last_stage_less_layers {first_less}/{last_less}"
+        )
+    bounds = [sum(sizes[:i]) for i in range(n_stages + 1)]
+    blocks = tuple(tuple(range(bounds[i], bounds[i + 1])) for i in range(n_stages))
+    t = cfg.training
+    size = p.pipeline_parallel_microbatch_size
+    if size < 1 or t.local_batch_size % size:
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_microbatch_size {size} does not divide "
+            f"training.local_batch_size {t.local_batch_size}"
+        )
+    microbatches = t.local_batch_size // size
+    if schedule in ("1F1B",) and microbatches < n_stages:
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_schedule {schedule} needs at least as many "
+            f"micro-batches as stages ({n_stages}); training.local_batch_size / "
+            f"pipeline_parallel_microbatch_size = {microbatches}"
+        )
+    rounds = max(1, microbatches // pp)
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble") and (
+        microbatches % rounds
+    ):
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_schedule {schedule} needs the micro-batches "
+            f"({microbatches}) to be a multiple of {rounds} (their number over the "
+            f"pipeline_parallel_degree {pp}, rounded down)"
+        )
+    return PipelinePlan(schedule, pp, blocks, microbatches)
 
 
 def gradient_accumulation_steps(cfg: JobConfig, degrees: Degrees) -> int:

@@ -70,7 +70,9 @@ MAPPING: dict[str, Rule] = {
     **_same(*(f"parallelism.{k}" for k in ("data_parallel_replicate_degree", "data_parallel_shard_degree", "fsdp_reshard_after_forward", "tensor_parallel_degree", "disable_loss_parallel"))),
     "parallelism.enable_async_tensor_parallel": Rule(note="titanlite's tensor parallelism is not asynchronous", inert=(False,)),
     "parallelism.enable_compiled_autograd": Rule(note="older TorchTitan key; titanlite does not compile autograd", inert=(False,)),
-    "parallelism.pipeline_parallel_degree": Rule(note="titanlite has no pipeline parallelism yet; set it to 1", inert=(1,), blocks=True),
+    **_same(*(f"parallelism.pipeline_parallel_{k}" for k in ("degree", "microbatch_size", "layers_per_stage", "first_stage_less_layers", "last_stage_less_layers"))),
+    "parallelism.pipeline_parallel_schedule": Rule("parallelism.pipeline_parallel_schedule", "GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble; another blocks", blocks=True),
+    "parallelism.pipeline_parallel_split_points": Rule(note="titanlite places stage boundaries by pipeline_parallel_layers_per_stage and first/last_stage_less_layers", inert=([],)),
     "parallelism.pipeline_parallel_*": Rule(note="only used with pipeline parallelism"),
     "parallelism.module_fqns_per_model_part": Rule(note="only used with pipeline parallelism"),
     "parallelism.context_parallel_degree": Rule(note="titanlite has no context parallelism yet; set it to 1", inert=(1,), blocks=True),
@@ -129,6 +131,8 @@ MAPPING: dict[str, Rule] = {
 """TorchTitan key ("section.key"; "prefix*" covers every key it starts) -> its Rule."""
 
 TORCHTITAN_DEFAULTS: dict[str, Any] = {
+    "parallelism.pipeline_parallel_first_stage_less_layers": 1,
+    "parallelism.pipeline_parallel_last_stage_less_layers": 1,
     "checkpoint.enable": False,
     "checkpoint.keep_latest_k": 10,
     "checkpoint.last_save_model_only": True,

@@ -158,9 +158,13 @@ class Decoder(nn.Module):
         self.register_buffer("rope", rope.to(torch.empty(0).device), persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
+        """Token ids -> logits; a pipeline stage (some modules set to None) maps its input
+        (ids, or the hidden states of the stage before) to its output the same way."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, self.rope)
+        if self.output is None:
+            return h
         return self.output(self.norm(h)).float()
 
     def init_buffers(self) -> None:

@@ -38,8 +38,8 @@ class ParallelDims:
 
     def __post_init__(self) -> None:
         d = self.degrees
-        if d.pp > 1 or d.cp > 1 or d.ep > 1:
-            raise NotImplementedError("pipeline, context and expert parallelism are not built yet")
+        if d.cp > 1 or d.ep > 1:
+            raise NotImplementedError("context and expert parallelism are not built yet")
         self.mesh = init_device_mesh(
             self.device_type, tuple(d.of(n) for n in MESH_DIMS), mesh_dim_names=MESH_DIMS
         )

@@ -8,6 +8,9 @@ The order matters and is the same for every layout:
   5. materialize: allocate this rank's shards and initialize only their elements
   6. titanlite's own bucketed DDP over dp_replicate when nothing is sharded (it needs real
      tensors to broadcast)
+  7. the pipeline schedule over this rank's stages, when pp > 1
+Under pipeline parallelism the model is first cut into this rank's stages (0. below), and
+steps 1-6 apply to each stage as they would to a whole model.
 Nothing else in titanlite changes the model's structure. The model is addressed only through
 its spec (block container, TP plan), never through its classes or module names.
 """
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,12 +28,14 @@ from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titanlite.config import JobConfig
+from titanlite.config.layout import pipeline_plan
 from titanlite.models.spec import ModelSpec
 from titanlite.parallel.blocks import apply_ac, apply_compile
 from titanlite.parallel.ddp import BucketedDDP
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.fsdp import apply_fsdp
 from titanlite.parallel.materialize import materialize
+from titanlite.parallel.pipeline import Pipeline, split_stage
 from titanlite.parallel.tensor import apply_tp
 
 logger = logging.getLogger(__name__)
@@ -41,8 +46,10 @@ class ParallelModel:
     """What the trainer needs of a parallelized model.
 
     ``parts`` are the model's modules as built (checkpoints, optimizers and initialization
-    use them; one part today, one per pipeline stage later); ``modules`` are what to call for
-    a forward pass (the parts, wrapped by the data-parallel engine where it applies).
+    use them; the whole model, or this rank's pipeline stages); ``modules`` are what to call
+    for a forward pass (the parts, wrapped by the data-parallel engine where it applies).
+    With pipeline parallelism, ``pipeline`` runs them (forward and backward of a whole local
+    batch in one call) instead of calling the model.
     """
 
     parts: list[nn.Module]
@@ -50,8 +57,11 @@ class ParallelModel:
     loss_parallel: bool = False
     autocast_dtype: torch.dtype | None = None
     materialize_stats: dict[str, float] = field(default_factory=dict)
+    pipeline: Pipeline | None = None
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.pipeline is not None:
+            raise RuntimeError("a pipelined model runs through its pipeline, not a call")
         return self.modules[0](tokens)
 
     @contextlib.contextmanager
@@ -94,39 +104,67 @@ def parallelize(
     cfg: JobConfig,
     device: torch.device | None,
     init_weights: bool = True,
+    loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> ParallelModel:
     """Apply the configured parallelisms to a model built on the meta device.
 
     With ``device`` None (a dry run) the model stays on the meta device and DDP, which
     shards nothing, is left out. ``init_weights`` False skips initialization when a
-    checkpoint will overwrite every weight.
+    checkpoint will overwrite every weight. ``loss_sum(logits, labels)`` is the summed loss a
+    pipeline's last stage computes (needed when pp > 1).
     """
     d, t, p = dims.degrees, cfg.training, cfg.parallelism
     lp = uses_loss_parallel(dims, cfg)
-    if d.tp > 1:
-        apply_tp(model, spec, dims["tp"], loss_parallel=lp)
-    ac = cfg.activation_checkpoint
-    if ac.mode != "none":
-        apply_ac(model, spec, ac.mode, ac.selective_ac_option)
-    if cfg.compile.enable:
-        apply_compile(model, spec)
-    if d.dp_shard > 1:
-        apply_fsdp(
-            model, spec, dims.hsdp_or_fsdp_mesh(), t.mixed_precision_param,
-            t.mixed_precision_reduce, p.fsdp_reshard_after_forward,
-        )  # fmt: skip
+    # 0. pipeline stages: this rank's share of the blocks, each a model of its own.
+    plan = pipeline_plan(cfg, d, len(getattr(model, spec.blocks)))
+    stage_ids = plan.rank_stages(dims.local_rank("pp")) if plan else []
+    parts = [split_stage(model, spec, plan, s) for s in stage_ids] if plan else [model]
+    for part in parts:
+        if d.tp > 1:
+            apply_tp(part, spec, dims["tp"], loss_parallel=lp)
+        ac = cfg.activation_checkpoint
+        if ac.mode != "none":
+            apply_ac(part, spec, ac.mode, ac.selective_ac_option)
+        if cfg.compile.enable:
+            apply_compile(part, spec)
+        if d.dp_shard > 1:
+            # Under PP a stage's blocks run again for every micro-batch's backward, and the
+            # zero-bubble schedules give wrong gradients when blocks reshard after forward
+            # (measured on torch 2.13): "default" keeps them gathered there.
+            reshard = p.fsdp_reshard_after_forward
+            if plan is not None and reshard == "default":
+                reshard = "never"
+            apply_fsdp(
+                part, spec, dims.hsdp_or_fsdp_mesh(), t.mixed_precision_param,
+                t.mixed_precision_reduce, reshard,
+            )  # fmt: skip
     autocast = None if d.dp_shard > 1 or t.mixed_precision_param == "float32" else torch.bfloat16
-    result = ParallelModel([model], [model], loss_parallel=lp, autocast_dtype=autocast)
+    result = ParallelModel(parts, list(parts), loss_parallel=lp, autocast_dtype=autocast)
     if device is None:
         return result
-    result.materialize_stats = materialize(model, spec, args, device, t.seed, init_weights)
+    for part in parts:
+        stats = materialize(part, spec, args, device, t.seed, init_weights)
+        for key, value in stats.items():
+            result.materialize_stats[key] = result.materialize_stats.get(key, 0) + value
     if d.dp_shard == 1 and d.dp_replicate > 1:
         result.modules = [
             BucketedDDP(
-                model, process_group=dims.group("dp_replicate"), bucket_cap_mb=p.ddp_bucket_cap_mb
+                part, process_group=dims.group("dp_replicate"), bucket_cap_mb=p.ddp_bucket_cap_mb
             )
+            for part in parts
         ]
         logger.info(
             "applied data parallelism over dp_replicate (bucket cap %.1f MB)", p.ddp_bucket_cap_mb
+        )
+    if plan is not None:
+        if loss_sum is None:
+            raise ValueError("pipeline parallelism needs the loss_sum function")
+        result.pipeline = Pipeline(
+            plan,
+            stage_ids,
+            result.modules,
+            dims.group("pp"),
+            device,
+            loss_sum,
         )
     return result

@@ -71,12 +71,20 @@ def retie(model: nn.Module, pairs: list[tuple[str, str]]) -> None:
         setattr(model.get_submodule(module_path), attr, model.get_parameter(owner))
 
 
+def _has(model: nn.Module, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+    except AttributeError:  # absent, or set to None
+        return False
+    return True
+
+
 def apply_tp(model: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
     plan = spec.tp_plan
     tied = shared_parameters(model)
-    parallelize_module(
-        model, tp_mesh, {path: _style(s, loss_parallel) for path, s in plan.root.items()}
-    )
+    # A pipeline stage holds only some of the root modules (the others are None).
+    root = {path: _style(s, loss_parallel) for path, s in plan.root.items() if _has(model, path)}
+    parallelize_module(model, tp_mesh, root)
     block_plan = {path: _style(s, loss_parallel) for path, s in plan.block.items()}
     for block in getattr(model, spec.blocks).values():
         parallelize_module(block, tp_mesh, block_plan)

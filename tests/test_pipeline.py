@@ -1,0 +1,204 @@
+"""Pipeline parallelism: the split of blocks into stages (torch-free, checked before launch),
+and every schedule on CPU with gloo matching one process on the same global batch (fp32,
+8 steps: loss and gradient norm per step), alone and composed with FSDP and TP, plus resume
+across pipeline layouts.
+
+The multi-rank runs use titanlite's Trainer on the reused worker pool (tests/pool.py).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from titanlite.config import ConfigError, JobConfig, resolve_degrees
+from titanlite.config.layout import pipeline_plan
+
+# --- the split (no processes) -------------------------------------------------------------------
+
+
+def plan_of(pp: int, schedule: str, n_layers: int, local_batch: int = 4, **pipeline: object):
+    cfg = JobConfig()
+    cfg.training.local_batch_size = local_batch
+    p = cfg.parallelism
+    p.pipeline_parallel_degree, p.pipeline_parallel_schedule = pp, schedule
+    for key, value in pipeline.items():
+        setattr(p, f"pipeline_parallel_{key}", value)
+    return pipeline_plan(cfg, resolve_degrees(cfg, pp), n_layers)
+
+
+def test_single_stage_schedules_give_each_rank_one_stage() -> None:
+    plan = plan_of(2, "1F1B", 6)
+    assert plan.stage_blocks == ((0, 1, 2), (3, 4, 5)) and plan.microbatches == 4
+    assert [plan.rank_stages(r) for r in range(2)] == [[0], [1]]
+
+
+def test_looped_and_v_schedules_place_two_stages_per_rank() -> None:
+    loop = plan_of(2, "Interleaved1F1B", 8)
+    assert loop.stage_blocks == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert [loop.rank_stages(r) for r in range(2)] == [[0, 2], [1, 3]]
+    v = plan_of(4, "ZBVZeroBubble", 8, local_batch=8)
+    assert [v.rank_stages(r) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+
+
+def test_layers_per_stage_and_lighter_first_and_last_stages() -> None:
+    plan = plan_of(2, "LoopedBFS", 10, layers_per_stage=3, first_stage_less_layers=1,
+                   last_stage_less_layers=1)  # fmt: skip
+    assert [len(b) for b in plan.stage_blocks] == [2, 3, 3, 2]
+    assert sum(plan.stage_blocks, ()) == tuple(range(10))
+    uneven = plan_of(2, "GPipe", 7)
+    assert [len(b) for b in uneven.stage_blocks] == [4, 3]
+
+
+@pytest.mark.parametrize(
+    ("pp", "schedule", "n_layers", "pipeline", "words"),
+    [
+        (2, "1F1B", 7, {"layers_per_stage": 2}, "layers_per_stage 2 does not divide"),
+        (2, "Interleaved1F1B", 4, {"layers_per_stage": 2}, "runs several stages per rank"),
+        (2, "1F1B", 8, {"layers_per_stage": 2}, "runs one stage per rank"),
+        (2, "ZBVZeroBubble", 12, {"layers_per_stage": 2}, "needs exactly 2 stages per rank"),
+        (4, "1F1B", 8, {}, r"at least as many micro-batches as stages \(4\)"),
+        (2, "GPipe", 4, {"microbatch_size": 3}, "microbatch_size 3 does not divide"),
+        (2, "GPipe", 2, {"last_stage_less_layers": 3}, "cannot fill 2 pipeline stages"),
+    ],
+)
+def test_impossible_splits_are_config_errors(
+    pp: int, schedule: str, n_layers: int, pipeline: dict, words: str
+) -> None:
+    local_batch = 2 if pp == 4 else 4
+    with pytest.raises(ConfigError, match=words):
+        plan_of(pp, schedule, n_layers, local_batch=local_batch, **pipeline)
+
+
+def test_without_pipeline_parallelism_there_is_no_plan() -> None:
+    assert plan_of(1, "Interleaved1F1B", 6) is None
+
+
+def test_launcher_refuses_what_pipelining_does_not_compose_with_yet(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from titanlite import preflight
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    argv = ["--parallelism.pipeline_parallel_degree", "2", "--model.tie_embeddings", "true"]
+    argv += ["--parallelism.data_parallel_replicate_degree", "2"]
+    argv += ["--parallelism.data_parallel_shard_degree", "1", "--training.local_batch_size", "1"]
+    assert preflight.main(argv) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 3, lines
+    assert "micro-batches" in lines[0] and "tie_embeddings" in lines[1] and "DDP" in lines[2]
+
+
+# --- parity with one process (worker pool) ------------------------------------------------------
+
+STEPS = 8
+RTOL = 1e-5
+COMMON = [
+    "--training.steps", str(STEPS), "--training.seq_len", "64", "--metrics.log_freq", "1",
+    "--validation.enable", "true", "--validation.freq", str(STEPS), "--validation.steps", "2",
+    "--checkpoint.interval", "4",
+]  # fmt: skip
+
+
+def run(world: int, out: Path, *args: str) -> dict:
+    """step -> (loss, grad norm), and "val" -> the validation loss after the last step, of a
+    run of the debug model on ``world`` pool ranks."""
+    import train_scenarios
+    from pool import get_pool
+
+    argv = [*COMMON, "--job.dump_folder", str(out), *args]
+    records = get_pool(world).run(train_scenarios.train, argv=argv)[0]["records"]
+    result: dict = {r["step"]: (r["loss"], r["grad_norm"]) for r in records if "loss" in r}
+    result["val"] = [r["val_loss"] for r in records if r.get("kind") == "validation"]
+    return result
+
+
+def assert_close(got: dict, want: dict, steps: range = range(1, STEPS + 1)) -> None:
+    """Loss and grad norm of every step in ``steps``, and the validation loss, within RTOL."""
+    for step in steps:
+        for a, b, what in zip(want[step], got[step], ("loss", "grad_norm"), strict=True):
+            assert abs(a - b) <= RTOL * abs(a), f"step {step} {what}: {a!r} vs {b!r}"
+    assert len(got["val"]) == 1, got["val"]
+    assert abs(got["val"][0] - want["val"][0]) <= RTOL * want["val"][0], (got["val"], want["val"])
+
+
+@pytest.fixture(scope="module")
+def baselines(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[Path, dict]]:
+    """One process, global batch 4 sequences, per depth (4 and 8 blocks)."""
+    result = {}
+    for layers in (4, 8):
+        out = tmp_path_factory.mktemp(f"one_{layers}") / "run"
+        args = ["--model.n_layers", str(layers), "--training.local_batch_size", "4"]
+        result[layers] = (out, run(1, out, *args))
+        assert sorted(k for k in result[layers][1] if k != "val") == list(range(1, STEPS + 1))
+    return result
+
+
+SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
+             "ZBVZeroBubble"]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_each_schedule_at_pp2_matches_one_process(
+    tmp_path: Path, baselines: dict, schedule: str
+) -> None:
+    args = ["--model.n_layers", "4", "--training.local_batch_size", "4"]
+    args += ["--parallelism.pipeline_parallel_degree", "2"]
+    args += ["--parallelism.pipeline_parallel_schedule", schedule]
+    assert_close(run(2, tmp_path / "run", *args), baselines[4][1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["Interleaved1F1B", "ZBVZeroBubble"])
+def test_two_stages_per_rank_at_pp4_match_one_process(
+    tmp_path: Path, baselines: dict, schedule: str
+) -> None:
+    args = ["--model.n_layers", "8", "--training.local_batch_size", "4"]
+    args += ["--parallelism.pipeline_parallel_degree", "4"]
+    args += ["--parallelism.pipeline_parallel_schedule", schedule]
+    assert_close(run(4, tmp_path / "run", *args), baselines[8][1])
+
+
+LAYOUTS = {
+    "pp2_dp_shard2": ["--parallelism.data_parallel_shard_degree", "2"],
+    "pp2_tp2": ["--parallelism.tensor_parallel_degree", "2",
+                "--parallelism.data_parallel_shard_degree", "1"],
+}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B", "ZBVZeroBubble"])
+def test_pipeline_composes_with_fsdp_and_tp(
+    tmp_path: Path, baselines: dict, layout: str, schedule: str
+) -> None:
+    local_batch = "2" if "dp_shard2" in layout else "4"  # global batch 4 either way
+    args = ["--model.n_layers", "4", "--training.local_batch_size", local_batch]
+    args += ["--parallelism.pipeline_parallel_degree", "2", *LAYOUTS[layout]]
+    args += ["--parallelism.pipeline_parallel_schedule", schedule]
+    assert_close(run(4, tmp_path / "run", *args), baselines[4][1])
+
+
+@pytest.mark.slow
+def test_resume_across_pipeline_layouts(tmp_path: Path, baselines: dict) -> None:
+    """A pp 2 checkpoint resumes in one process, and a one-process checkpoint at pp 2 x tp 2,
+    both continuing as the uninterrupted run did."""
+    base_run, base = baselines[4]
+    depth = ["--model.n_layers", "4", "--training.local_batch_size", "4"]
+    pp2 = tmp_path / "pp2"
+    run(2, pp2, *depth, "--parallelism.pipeline_parallel_degree", "2")
+    one = tmp_path / "one"
+    shutil.copytree(pp2 / "checkpoint" / "step-4", one / "checkpoint" / "step-4")
+    resumed = run(1, one, *depth)
+    assert sorted(k for k in resumed if k != "val") == list(range(5, STEPS + 1))
+    assert_close(resumed, base, range(5, STEPS + 1))
+
+    wide = tmp_path / "pp2_tp2"
+    shutil.copytree(base_run / "checkpoint" / "step-4", wide / "checkpoint" / "step-4")
+    args = [*depth, "--parallelism.pipeline_parallel_degree", "2", *LAYOUTS["pp2_tp2"]]
+    resumed = run(4, wide, *args)
+    assert sorted(k for k in resumed if k != "val") == list(range(5, STEPS + 1))
+    assert_close(resumed, base, range(5, STEPS + 1))

@@ -1,0 +1,183 @@
+"""Pipeline parallelism: the model's blocks cut into stages over the mesh's pp dimension and
+run by a ``torch.distributed.pipelining`` schedule.
+
+Each stage is a copy of the meta-device model that keeps only its blocks (the first stage
+also the input modules, the last the output modules): parameter names are the model's own
+(``layers.7.attention.wq.weight`` on whichever stage holds block 7), so checkpoints,
+initialization and the Hugging Face export see the same names under any pipeline layout.
+The split itself (``titanlite.config.layout.pipeline_plan``) is torch-free and checked before
+any process starts.
+
+The loss follows titanlite's rule: each micro-batch's loss is its sum over target tokens times
+``batch ranks / global target count``, so the gradients are those of one process on the same
+global batch, whatever the micro-batching (the schedule's own 1/n scaling is off).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.tensor import DTensor
+
+from titanlite.config.layout import PipelinePlan
+from titanlite.models.spec import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+SCHEDULES = {
+    "GPipe": ScheduleGPipe,
+    "1F1B": Schedule1F1B,
+    "Interleaved1F1B": ScheduleInterleaved1F1B,
+    "LoopedBFS": ScheduleLoopedBFS,
+    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+    "ZBVZeroBubble": ScheduleZBVZeroBubble,
+}
+
+
+def split_stage(model: nn.Module, spec: ModelSpec, plan: PipelinePlan, stage: int) -> nn.Module:
+    """A copy of the (meta-device) model holding only ``stage``'s modules, names unchanged."""
+    part = copy.deepcopy(model)
+    keep = {str(i) for i in plan.stage_blocks[stage]}
+    blocks = getattr(part, spec.blocks)
+    for name in list(blocks.keys()):
+        if name not in keep:
+            del blocks[name]
+    if stage != 0:
+        for name in spec.input_modules:
+            setattr(part, name, None)
+    if stage != plan.n_stages - 1:
+        for name in spec.output_modules:
+            setattr(part, name, None)
+    return part
+
+
+class Pipeline:
+    """This rank's stages and the schedule that runs them; one call per local batch."""
+
+    def __init__(
+        self,
+        plan: PipelinePlan,
+        stage_ids: list[int],
+        modules: list[nn.Module],
+        group: dist.ProcessGroup,
+        device: torch.device,
+        loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> None:
+        self.plan = plan
+        self.group = group
+        self.pp_rank = dist.get_rank(group)
+        self.local = dict(zip(stage_ids, modules, strict=True))
+        self.has_first = 0 in stage_ids
+        self.has_last = plan.n_stages - 1 in stage_ids
+        self._loss_sum = loss_sum
+        self._scale = 1.0
+        self._ce_of: dict[int, torch.Tensor] = {}
+        stages = [
+            PipelineStage(module, stage, plan.n_stages, device, group=group)
+            for stage, module in zip(stage_ids, modules, strict=True)
+        ]
+        schedule_cls = SCHEDULES[plan.schedule]
+        stage_arg = stages if plan.style != "single" else stages[0]
+        self.schedule = schedule_cls(
+            stage_arg, n_microbatches=plan.microbatches, loss_fn=self._loss, scale_grads=False
+        )
+        logger.info(
+            "applied pipeline parallelism: %s; this rank runs stage(s) %s",
+            plan.describe(),
+            ", ".join(map(str, stage_ids)),
+        )
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        ce = self._loss_sum(logits, labels)
+        scaled = ce * self._scale
+        # The schedule also calls this on placeholder tensors while it infers the backward's
+        # shapes (first step): only the losses it reports back are the micro-batches' own.
+        value = ce.detach()
+        self._ce_of[id(scaled)] = value.full_tensor() if isinstance(value, DTensor) else value
+        return scaled
+
+    def forward_backward(
+        self, inputs: torch.Tensor, labels: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Forward and backward of one local batch through every stage (gradients of the
+        loss sum times ``scale``); the sum of the cross-entropy over its target tokens, the
+        same on every pp rank."""
+        self._scale = scale
+        args = (inputs,) if self.has_first else ()
+        target = labels if self.has_last else None
+        losses: list[torch.Tensor] = []
+        try:
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            ce = torch.zeros((), device=labels.device)
+            for loss in losses:
+                ce = ce + self._ce_of[id(loss)]
+        finally:
+            self._ce_of.clear()
+        dist.all_reduce(ce, dist.ReduceOp.SUM, group=self.group)  # from the last stage
+        return ce
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The summed loss of a local batch, forward only, the same on every pp rank.
+
+        Not through the schedule: ``eval()`` of the V schedules fails in torch 2.13 (their
+        actions still include backward steps). Each micro-batch goes through the stages in
+        order; every rank walks the same (micro-batch, stage) sequence, so each send meets
+        its receive. Validation is rare: no overlap is needed.
+        """
+        plan, n = self.plan, self.plan.n_stages
+        ce = torch.zeros((), device=labels.device)
+        for inputs_mb, labels_mb in zip(
+            inputs.chunk(plan.microbatches), labels.chunk(plan.microbatches), strict=True
+        ):
+            hidden: torch.Tensor | None = None
+            for stage in range(n):
+                if stage not in self.local:
+                    continue
+                if stage == 0:
+                    x = inputs_mb
+                elif plan.stage_rank(stage - 1) == self.pp_rank:
+                    x = hidden
+                else:
+                    x = self._receive(plan.stage_rank(stage - 1), labels.device)
+                hidden = self.local[stage](x)
+                if stage == n - 1:
+                    value = self._loss_sum(hidden, labels_mb)
+                    ce = ce + (value.full_tensor() if isinstance(value, DTensor) else value)
+                elif plan.stage_rank(stage + 1) != self.pp_rank:
+                    self._send(hidden, plan.stage_rank(stage + 1))
+        dist.all_reduce(ce, dist.ReduceOp.SUM, group=self.group)  # from the last stage
+        return ce
+
+    def _send(self, tensor: torch.Tensor, pp_rank: int) -> None:
+        tensor = tensor.contiguous()
+        header = torch.zeros(8, dtype=torch.int64)
+        header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
+        header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
+        dist.send(header.to(tensor.device), group=self.group, group_dst=pp_rank)
+        dist.send(tensor, group=self.group, group_dst=pp_rank)
+
+    def _receive(self, pp_rank: int, device: torch.device) -> torch.Tensor:
+        header = torch.zeros(8, dtype=torch.int64, device=device)
+        dist.recv(header, group=self.group, group_src=pp_rank)
+        dtype, ndim = _DTYPES[int(header[0])], int(header[1])
+        tensor = torch.empty(header[2 : 2 + ndim].tolist(), dtype=dtype, device=device)
+        dist.recv(tensor, group=self.group, group_src=pp_rank)
+        return tensor
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]

@@ -64,7 +64,7 @@ def build_model_args(cfg: JobConfig, tokenizer_vocab: int) -> tuple[ModelSpec, A
 
 
 def check_pipeline(cfg: JobConfig, degrees: Degrees, args: Any, problems: Problems) -> None:
-    """The pipeline split and schedule, and what pipeline parallelism does not compose with yet."""
+    """The pipeline split and schedule, and FSDP settings that give wrong results with it."""
     with problems.check():
         pipeline_plan(cfg, degrees, args.n_layers)
     p = cfg.parallelism
@@ -72,17 +72,6 @@ def check_pipeline(cfg: JobConfig, degrees: Degrees, args: Any, problems: Proble
         problems.add(
             f"parallelism.fsdp_reshard_after_forward always gives wrong gradients with the "
             f"{p.pipeline_parallel_schedule} schedule (torch 2.13); use default or never"
-        )
-    if args.tie_embeddings:
-        problems.add(
-            "model.tie_embeddings: tied embeddings under pipeline parallelism are not built yet "
-            "(set model.tie_embeddings = false, or parallelism.pipeline_parallel_degree = 1)"
-        )
-    if degrees.dp_replicate > 1 and degrees.dp_shard == 1:
-        problems.add(
-            "parallelism: pipeline parallelism with titanlite's own DDP "
-            "(data_parallel_replicate_degree > 1 without sharding) is not built yet; use "
-            "data_parallel_shard_degree (FSDP) for the data-parallel ranks"
         )
 
 

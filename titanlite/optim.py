@@ -76,20 +76,25 @@ def build_lr_scheduler(
 
 @torch.no_grad()
 def clip_grad_norm_(
-    params: list[nn.Parameter], max_norm: float, stage_group: dist.ProcessGroup | None = None
+    params: list[nn.Parameter],
+    max_norm: float,
+    stage_group: dist.ProcessGroup | None = None,
+    skip: set[int] | None = None,
 ) -> torch.Tensor:
     """Clip to the true global norm and return it (a plain tensor, the same on every rank).
 
     Parameters may be DTensors sharded over different meshes (FSDP, TP, both). Gradients are
     grouped by (mesh, placements); each group's norm is one DTensor reduction over its mesh,
     so the result is the norm of the whole unsharded gradient with one collective per group.
-    Under pipeline parallelism ``stage_group`` (pp) adds up the squares of every stage.
+    Under pipeline parallelism ``stage_group`` (pp) adds up the squares of every stage;
+    ``skip`` (parameter ids) are clipped but not counted (a tied weight's second copy).
     """
     grads = [p.grad for p in params if p.grad is not None]
+    counted = [p.grad for p in params if p.grad is not None and id(p) not in (skip or ())]
     if not grads and stage_group is None:
         return torch.tensor(0.0)
     groups: dict[object, list[torch.Tensor]] = {}
-    for g in grads:
+    for g in counted:
         key = (id(g.device_mesh), g.placements) if isinstance(g, DTensor) else g.device
         groups.setdefault(key, []).append(g)
     squares = []

@@ -35,6 +35,7 @@ from titanlite.models.layers import count_params
 from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.parallelize import parallelize
+from titanlite.parallel.pipeline import tied_copy
 from titanlite.profiling import profiling
 from titanlite.run_info import StartupClock, StepLogger, write_run_files
 
@@ -138,8 +139,9 @@ class Trainer:
         # 6. Checkpoints: everything resumable, registered once; resume exactly where the
         # latest complete checkpoint left off.
         states = build_states(
-            self.model.parts, self.optimizers, self.lr_schedulers, self.train_loader, self.state
-        )
+            self.model.parts, self.optimizers, self.lr_schedulers, self.train_loader, self.state,
+            [tied_copy(part, self.spec, self.model_args) for part in self.model.parts],
+        )  # fmt: skip
         self.checkpointer = Checkpointer(
             states, cfg.checkpoint, checkpoint_folder,
             ModelIdentity(self.spec.name, asdict(self.model_args)),
@@ -228,7 +230,10 @@ class Trainer:
                     ce = cross_entropy_sum(self.model(inputs), labels)
                     (ce * scale).backward()
             loss_sum += full(ce.detach())
-        grad_norm = clip_grad_norm_(self.params, self.cfg.training.max_norm, self.stage_group)
+        self.model.finish_gradients()
+        grad_norm = clip_grad_norm_(
+            self.params, self.cfg.training.max_norm, self.stage_group, self.model.norm_skip
+        )
         self.last_lr = self.lr_schedulers[0].get_last_lr()[0]  # the rate this step uses
         for optimizer, scheduler in zip(self.optimizers, self.lr_schedulers, strict=True):
             optimizer.step()

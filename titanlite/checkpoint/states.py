@@ -55,23 +55,32 @@ class OptimizerState(Stateful):
     resume with another ``--optimizer.lr`` or weight decay takes effect.
     """
 
-    def __init__(self, parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]):
+    def __init__(
+        self,
+        parts: Sequence[nn.Module],
+        optimizers: Sequence[torch.optim.Optimizer],
+        renames: Sequence[dict[str, str]] | None = None,
+    ):
         self.parts = list(parts)
         self.optimizers = list(optimizers)
+        # Per part, {alias: owner}: a tied weight's copy on another pipeline stage keeps its
+        # state under the owner's name, as a one-process model stores it.
+        self.renames = list(renames or [{}] * len(self.parts))
 
     def state_dict(self) -> dict[str, Any]:
         merged: dict[str, Any] = {}
         options = StateDictOptions(flatten_optimizer_state_dict=False)
-        for part, optimizer in zip(self.parts, self.optimizers, strict=True):
+        for part, optimizer, renames in zip(self.parts, self.optimizers, self.renames, strict=True):
             # torch creates the state lazily; a template to load into needs it.
             _create_optimizer_state(part, optimizer)
-            merged.update(get_optimizer_state_dict(part, optimizer, options=options)["state"])
+            own = get_optimizer_state_dict(part, optimizer, options=options)["state"]
+            merged.update({renames.get(k, k): v for k, v in own.items()})
         return {"state": merged}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for part, optimizer in zip(self.parts, self.optimizers, strict=True):
+        for part, optimizer, renames in zip(self.parts, self.optimizers, self.renames, strict=True):
             current = get_optimizer_state_dict(part, optimizer)
-            own = {k: state["state"][k] for k in current["state"]}
+            own = {k: state["state"][renames.get(k, k)] for k in current["state"]}
             set_optimizer_state_dict(
                 part, optimizer, {"state": own, "param_groups": current["param_groups"]}
             )
@@ -170,11 +179,13 @@ def build_states(
     schedulers: Sequence[torch.optim.lr_scheduler.LambdaLR],
     dataloader: Stateful,
     train_state: TrainState,
+    renames: Sequence[dict[str, str]] | None = None,
 ) -> dict[str, Stateful]:
-    """The registry the checkpointer saves and restores, under the fixed STATE_KEYS."""
+    """The registry the checkpointer saves and restores, under the fixed STATE_KEYS
+    (``renames``: see OptimizerState)."""
     entries = (
         ModelState(parts),
-        OptimizerState(parts, optimizers),
+        OptimizerState(parts, optimizers, renames),
         LRSchedulerState(schedulers),
         dataloader,
         train_state,

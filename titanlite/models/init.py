@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -269,9 +269,13 @@ def init_parameters(
     rule_of: Callable[[str], InitRule],
     seed: int,
     locate: Callable[[torch.Tensor], Block] = whole,
+    aliases: Mapping[str, str] | None = None,
 ) -> int:
     """Initialize every parameter of ``model`` (tied ones once) from its rule, computing
-    only the elements ``locate`` says this rank holds. Returns the elements written."""
+    only the elements ``locate`` says this rank holds. Returns the elements written.
+
+    ``aliases`` maps a parameter name to the name whose values it takes: a tied weight's
+    copy on another pipeline stage starts as the owner does."""
     written = 0
     seen: set[int] = set()
     for name, param in model.named_parameters():
@@ -280,6 +284,7 @@ def init_parameters(
         seen.add(id(param))
         local, shape, offset = locate(param)
         name = canonical_name(name)
+        name = (aliases or {}).get(name, name)
         fill_local_(local, rule_of(name), seed, name, shape, offset)
         written += local.numel()
     return written

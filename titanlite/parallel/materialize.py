@@ -60,9 +60,11 @@ def materialize(
     device: torch.device | str,
     seed: int,
     init_weights: bool = True,
+    aliases: dict[str, str] | None = None,
 ) -> dict[str, float]:
     """Allocate, compute the buffers, and (unless a checkpoint is about to overwrite them)
-    initialize this rank's elements. Returns what it cost: seconds and elements written."""
+    initialize this rank's elements (``aliases``: see ``init_parameters``). Returns what it
+    cost: seconds and elements written."""
     start = time.perf_counter()
     allocate(model, device)
     spec.init_buffers(model)
@@ -70,7 +72,7 @@ def materialize(
     written = 0
     if init_weights:
         written = init_parameters(
-            model, lambda name: spec.init_rule(args, name), seed, locate=local_block
+            model, lambda name: spec.init_rule(args, name), seed, local_block, aliases
         )
     done = time.perf_counter()
     logger.info(

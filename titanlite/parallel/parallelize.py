@@ -35,7 +35,7 @@ from titanlite.parallel.ddp import BucketedDDP
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.fsdp import apply_fsdp
 from titanlite.parallel.materialize import materialize
-from titanlite.parallel.pipeline import Pipeline, split_stage
+from titanlite.parallel.pipeline import Pipeline, split_stage, tied_copy, tied_stage_group
 from titanlite.parallel.tensor import apply_tp
 
 logger = logging.getLogger(__name__)
@@ -86,6 +86,17 @@ class ParallelModel:
             elif hasattr(module, "set_requires_gradient_sync"):  # fully_shard's own switch
                 module.set_requires_gradient_sync(enabled)
         return stack
+
+    @property
+    def norm_skip(self) -> set[int]:
+        """Parameters (by id) the gradient norm must not count again (tied copies)."""
+        return self.pipeline.norm_skip if self.pipeline is not None else set()
+
+    def finish_gradients(self) -> None:
+        """After a step's last backward: what the data-parallel engines do not (pipeline
+        replicas and tied copies)."""
+        if self.pipeline is not None:
+            self.pipeline.finish_gradients()
 
     def train(self, mode: bool = True) -> None:
         for module in self.modules:
@@ -143,10 +154,12 @@ def parallelize(
     if device is None:
         return result
     for part in parts:
-        stats = materialize(part, spec, args, device, t.seed, init_weights)
+        aliases = tied_copy(part, spec, args)
+        stats = materialize(part, spec, args, device, t.seed, init_weights, aliases)
         for key, value in stats.items():
             result.materialize_stats[key] = result.materialize_stats.get(key, 0) + value
-    if d.dp_shard == 1 and d.dp_replicate > 1:
+    replicas = d.dp_shard == 1 and d.dp_replicate > 1
+    if replicas and plan is None:
         result.modules = [
             BucketedDDP(
                 part, process_group=dims.group("dp_replicate"), bucket_cap_mb=p.ddp_bucket_cap_mb
@@ -159,12 +172,17 @@ def parallelize(
     if plan is not None:
         if loss_sum is None:
             raise ValueError("pipeline parallelism needs the loss_sum function")
+        tie = getattr(args, "tie_embeddings", False)
         result.pipeline = Pipeline(
-            plan,
-            stage_ids,
-            result.modules,
-            dims.group("pp"),
-            device,
-            loss_sum,
-        )
+            plan, stage_ids, result.modules, dims.group("pp"), device, loss_sum,
+            tied=spec.tied_weights if tie else None,
+            tie_group=tied_stage_group(plan, dims) if tie else None,
+            # titanlite's DDP engine reduces in backward hooks, one backward per forward: the
+            # schedules run many, so replicas average once after the step instead.
+            replica_group=dims.group("dp_replicate") if replicas else None,
+        )  # fmt: skip
+        logger.info(
+            "pipeline: %s%s", "tied embeddings synchronized; " if tie else "",
+            "gradients averaged over dp_replicate after each step" if replicas else "",
+        )  # fmt: skip
     return result

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,29 @@ SCHEDULES = {
 }
 
 
+def tied_copy(part: nn.Module, spec: ModelSpec, args: Any) -> dict[str, str]:
+    """{alias: owner} when ``part`` holds a tied weight's alias without its owner (the last
+    stage's output projection, the embedding being on the first): the names whose values,
+    optimizer state and gradients it shares."""
+    alias, owner = spec.tied_weights
+    names = {name for name, _ in part.named_parameters()}
+    if getattr(args, "tie_embeddings", False) and alias in names and owner not in names:
+        return {alias: owner}
+    return {}
+
+
+def tied_stage_group(plan: PipelinePlan, dims: Any) -> dist.ProcessGroup | None:
+    """The group of this rank and its counterpart holding the other copy of the tied weight
+    (the first and the last stage's ranks, at the same coordinate of every other dimension);
+    None when both copies are on this rank's pp rank or this rank holds neither."""
+    first, last = plan.stage_rank(0), plan.stage_rank(plan.n_stages - 1)
+    if first == last:
+        return None
+    columns = dims.mesh.mesh.reshape(plan.pp, -1).t().tolist()  # one pp group per column
+    group, _ = dist.new_subgroups_by_enumeration([[c[first], c[last]] for c in columns])
+    return group
+
+
 def split_stage(model: nn.Module, spec: ModelSpec, plan: PipelinePlan, stage: int) -> nn.Module:
     """A copy of the (meta-device) model holding only ``stage``'s modules, names unchanged."""
     part = copy.deepcopy(model)
@@ -76,9 +100,28 @@ class Pipeline:
         group: dist.ProcessGroup,
         device: torch.device,
         loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        tied: tuple[str, str] | None = None,
+        tie_group: dist.ProcessGroup | None = None,
+        replica_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.plan = plan
         self.group = group
+        # Tied weights (``tied`` = (alias, owner) names): the embedding on the first stage and
+        # its copy as the output projection on the last get the sum of both gradients, so the
+        # two copies stay equal; the gradient norm counts the weight once.
+        self.tie_group = tie_group
+        self.replica_group = replica_group
+        self.tied_params: list[nn.Parameter] = []
+        self.norm_skip: set[int] = set()
+        if tied is not None:
+            alias, owner = tied
+            for module in modules:
+                params = dict(module.named_parameters())
+                if alias in params and owner not in params:
+                    self.tied_params.append(params[alias])
+                    self.norm_skip.add(id(params[alias]))
+                elif owner in params and alias not in params:
+                    self.tied_params.append(params[owner])
         self.pp_rank = dist.get_rank(group)
         self.local = dict(zip(stage_ids, modules, strict=True))
         self.has_first = 0 in stage_ids
@@ -131,6 +174,29 @@ class Pipeline:
         return ce
 
     @torch.no_grad()
+    def finish_gradients(self) -> None:
+        """After the last backward of a step: average over replicas (titanlite's own data
+        parallelism under PP, not overlapped with backward) and sum the tied copies."""
+        if self.replica_group is not None:
+            size = dist.get_world_size(self.replica_group)
+            for module in self.local.values():
+                grads = [p.grad for p in module.parameters() if p.grad is not None]
+                for bucket in _buckets(grads, _REPLICA_BUCKET_BYTES):
+                    flat = torch.cat([g.reshape(-1) for g in bucket])
+                    dist.all_reduce(flat, dist.ReduceOp.SUM, group=self.replica_group)
+                    flat /= size
+                    pieces = flat.split([g.numel() for g in bucket])
+                    for g, piece in zip(bucket, pieces, strict=True):
+                        g.copy_(piece.view_as(g))
+        grads = [_local(p.grad) for p in self.tied_params if p.grad is not None]
+        if len(grads) == 2:  # both copies on this rank (the V schedules)
+            total = grads[0] + grads[1]
+            for g in grads:
+                g.copy_(total)
+        elif len(grads) == 1 and self.tie_group is not None:
+            dist.all_reduce(grads[0], dist.ReduceOp.SUM, group=self.tie_group)
+
+    @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The summed loss of a local batch, forward only, the same on every pp rank.
 
@@ -181,3 +247,22 @@ class Pipeline:
 
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
+_REPLICA_BUCKET_BYTES = 25 * 2**20
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _buckets(grads: list[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
+    """Consecutive groups of same-dtype gradients of at most ``cap_bytes`` each."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for g in grads:
+        nbytes = g.numel() * g.element_size()
+        if not buckets or size + nbytes > cap_bytes or buckets[-1][0].dtype != g.dtype:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(g)
+        size += nbytes
+    return buckets

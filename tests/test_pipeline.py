@@ -176,8 +176,15 @@ LAYOUTS = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B", "ZBVZeroBubble"])
+@pytest.mark.parametrize(
+    ("layout", "schedule"),
+    [
+        ("pp2_dp_shard2", "1F1B"),
+        ("pp2_dp_shard2", "ZBVZeroBubble"),  # the schedule FSDP resharding breaks
+        ("pp2_tp2", "Interleaved1F1B"),
+        ("pp2_tp2", "ZBVZeroBubble"),
+    ],
+)
 def test_pipeline_composes_with_fsdp_and_tp(
     tmp_path: Path, baselines: dict, layout: str, schedule: str
 ) -> None:
@@ -188,14 +195,32 @@ def test_pipeline_composes_with_fsdp_and_tp(
     assert_close(run(4, tmp_path / "run", *args), baselines[4][1])
 
 
+def generated(checkpoint: Path) -> str:
+    """scripts/generate.py's greedy continuation of a fixed prompt from ``checkpoint``."""
+    import contextlib
+    import io
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import generate
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        argv = ["--checkpoint", str(checkpoint), "--prompt", "The state of", "--max-new-tokens"]
+        assert generate.main([*argv, "12"]) == 0
+    return out.getvalue()
+
+
 @pytest.mark.slow
 def test_resume_across_pipeline_layouts(tmp_path: Path, baselines: dict) -> None:
-    """A pp 2 checkpoint resumes in one process, and a one-process checkpoint at pp 2 x tp 2,
-    both continuing as the uninterrupted run did."""
+    """A pp 2 checkpoint generates text and resumes in one process, and a one-process
+    checkpoint resumes at pp 2 x tp 2, both continuing as the uninterrupted run did."""
     base_run, base = baselines[4]
     depth = ["--model.n_layers", "4", "--training.local_batch_size", "4"]
     pp2 = tmp_path / "pp2"
     run(2, pp2, *depth, "--parallelism.pipeline_parallel_degree", "2")
+    # Its checkpoint (each stage saved by its own ranks) generates as the one-process one does.
+    assert generated(pp2 / "checkpoint" / "step-8") == generated(base_run / "checkpoint" / "step-8")
     one = tmp_path / "one"
     shutil.copytree(pp2 / "checkpoint" / "step-4", one / "checkpoint" / "step-4")
     resumed = run(1, one, *depth)

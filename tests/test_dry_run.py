@@ -60,3 +60,28 @@ def test_init_rank_outside_the_layout_is_one_line(
         *run_preflight([CONFIG_405B, "--job.dry_run_init_rank", "3"], monkeypatch, capsys, world=64)
     )
     assert "needs --job.dry_run" in line
+
+
+def test_pipeline_dry_run_sizes_one_ranks_stages_and_their_activations(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """405B on 2,048 ranks with pp 16 (x dp_shard 16 x tp 8): rank 0 holds stage 0 of 16,
+    about 1/16 of the model state of dp_shard 16 x tp 8 without PP (128 ranks); the
+    activations line follows the schedule's peak."""
+    from titanlite import preflight
+
+    base = [CONFIG_405B, "--job.dry_run", "--model.vocab_size", "128256"]
+    pp = ["--parallelism.pipeline_parallel_degree", "16", "--training.local_batch_size", "16"]
+    state = {}
+    for name, world, argv in (("no_pp", "128", base), ("pp16", "2048", [*base, *pp])):
+        monkeypatch.setenv("WORLD_SIZE", world)
+        capsys.readouterr()
+        assert preflight.main(["--job.config_file", *argv]) == preflight.EXIT_NO_LAUNCH
+        out = capsys.readouterr().out
+        state[name] = float(re.search(r"model state\s+([\d.]+) GiB per rank", out).group(1))
+    assert "mesh            pp=16 x dp_shard=16 x tp=8" in out
+    assert "1F1B, 16 stages (14 x 8, 2 x 7 blocks), 16 micro-batches" in out  # 126 blocks
+    assert "this rank runs stage(s) 0" in out
+    sets = int(re.search(r"peak: (\d+) \(micro-batch, stage\) sets", out).group(1))
+    assert sets == 16  # 1F1B's rank 0 keeps min(micro-batches, pp) = 16
+    assert 0.9 < state["no_pp"] / state["pp16"] / 16 < 1.1, state

@@ -282,3 +282,18 @@ def test_pp2_dp_shard2_tp2_on_eight_ranks(tmp_path: Path, baselines: dict) -> No
     args += ["--parallelism.data_parallel_shard_degree", "2"]
     args += ["--parallelism.tensor_parallel_degree", "2"]
     assert_close(run(8, tmp_path / "run", *args), baselines[4][1])
+
+
+def test_activation_sets_in_flight_follow_each_schedule() -> None:
+    """Per pp rank, at pp 4 with 8 micro-batches (what the dry run multiplies out)."""
+    expected = {
+        "GPipe": [8, 8, 8, 8],
+        "1F1B": [4, 3, 2, 1],
+        "LoopedBFS": [16, 16, 16, 16],
+        "Interleaved1F1B": [11, 9, 7, 5],
+        "InterleavedZeroBubble": [11, 9, 7, 5],
+        "ZBVZeroBubble": [8, 8, 8, 8],
+    }
+    for schedule, sets in expected.items():
+        plan = plan_of(4, schedule, 8, local_batch=8)
+        assert [plan.in_flight(r) for r in range(4)] == sets, schedule

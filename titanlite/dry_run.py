@@ -10,6 +10,7 @@ what a start-up costs one rank.
 
 from __future__ import annotations
 
+import dataclasses
 import resource
 import time
 
@@ -24,6 +25,7 @@ from titanlite.config import (
     gradient_accumulation_steps,
     resolve_degrees,
 )
+from titanlite.config.layout import PipelinePlan, pipeline_plan
 from titanlite.metrics import local_bytes
 from titanlite.models.layers import count_params
 from titanlite.parallel.dims import ParallelDims
@@ -49,6 +51,8 @@ def dry_run(cfg: JobConfig, world_size: int, tokenizer_vocab: int) -> str:
         total = count_params(model)
         # Under pipeline parallelism a rank holds only its stages: those are what it sizes.
         parts = parallelize(model, spec, args, dims, cfg, device=None).parts
+        plan = pipeline_plan(cfg, degrees, args.n_layers)
+        pipeline_lines = _pipeline_lines(cfg, spec, args, plan, dims) if plan else []
         params = list({id(p): p for part in parts for p in part.parameters()}.values())
         local_numel = local_bytes(params) // 4  # still float32 on meta
         init_lines = _initialize_one_rank(parts, spec, args, cfg, rank) if init_rank >= 0 else []
@@ -69,9 +73,68 @@ def dry_run(cfg: JobConfig, world_size: int, tokenizer_vocab: int) -> str:
             f"{cfg.training.seq_len})",
             f"  global batch    {gbs} sequences = {gbs * cfg.training.seq_len:,} tokens "
             f"({accum} micro-batch{'es' if accum > 1 else ''} per step)",
+            *pipeline_lines,
             *init_lines,
         ]
     )
+
+
+def _pipeline_lines(
+    cfg: JobConfig, spec, args, plan: PipelinePlan, dims: ParallelDims
+) -> list[str]:  # noqa: ANN001
+    """The split, and this rank's activations kept for backward at the schedule's peak."""
+    pp_rank, t = dims.local_rank("pp"), cfg.training
+    stages = plan.rank_stages(pp_rank)
+    micro = cfg.parallelism.pipeline_parallel_microbatch_size
+    per_block = block_activation_bytes(spec, args, t.seq_len) * micro
+    if t.mixed_precision_param == "bfloat16":
+        per_block //= 2
+    ac = cfg.activation_checkpoint.mode
+    if ac == "full":  # only each block's input is kept
+        per_block = (
+            micro * t.seq_len * args.dim * (2 if t.mixed_precision_param == "bfloat16" else 4)
+        )
+    per_block //= dims.degrees.tp  # sequence and tensor parallelism split them
+    per_set = max(len(plan.stage_blocks[s]) for s in stages) * per_block
+    sets = plan.in_flight(pp_rank)
+    total = sets * per_set
+    if plan.n_stages - 1 in stages:  # the last stage's share of the sets keeps float32 logits
+        logits = micro * t.seq_len * args.vocab_size * 4 // dims.degrees.tp
+        total += sets // len(stages) * logits
+    note = {"none": "", "full": ", full activation checkpointing"}.get(
+        ac, f", {ac} checkpointing counted as none"
+    )
+    return [
+        f"  pipeline        {plan.describe()}; this rank runs stage(s) "
+        f"{', '.join(map(str, stages))}",
+        f"  activations     ~{total / GIB:.2f} GiB at the schedule's peak: {sets} "
+        f"(micro-batch, stage) sets of up to {per_set / GIB:.2f} GiB"
+        f"{' + the logits' if plan.n_stages - 1 in stages else ''} (estimate: flash-style "
+        f"attention{note})",
+    ]
+
+
+def block_activation_bytes(spec, args, seq_len: int) -> int:  # noqa: ANN001
+    """Bytes one block saves for backward per sequence, float32, one rank without TP: a
+    meta-device forward of a one-block model, counting the tensors autograd keeps (weights
+    and the s x s attention scores, which flash-style attention does not keep, left out)."""
+    probe = 7  # an odd batch no weight dimension equals: activations start with it
+    with torch.device("meta"):
+        model = spec.build(dataclasses.replace(args, n_layers=1))
+    for name in (*spec.input_modules, *spec.output_modules):
+        setattr(model, name, None)
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        scores = tensor.dim() >= 2 and tensor.shape[-1] == tensor.shape[-2] == seq_len
+        if tensor.dim() >= 2 and tensor.shape[0] == probe and not scores:
+            saved[id(tensor)] = tensor.numel() * tensor.element_size()
+        return tensor
+
+    hidden = torch.empty(probe, seq_len, args.dim, device="meta", requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(hidden)
+    return sum(saved.values()) // probe
 
 
 def _initialize_one_rank(parts, spec, args, cfg: JobConfig, rank: int) -> list[str]:  # noqa: ANN001

@@ -140,10 +140,33 @@ class PipelinePlan:
             return [pp_rank, 2 * self.pp - 1 - pp_rank]
         return list(range(pp_rank, self.n_stages, self.pp))
 
+    def in_flight(self, pp_rank: int) -> int:
+        """Peak number of (micro-batch, stage) activation sets ``pp_rank`` keeps for backward,
+        with equal stage times: GPipe all micro-batches; 1F1B min(m, p - r); LoopedBFS every
+        micro-batch of every local stage; the interleaved ones Megatron's warm-up count
+        (v - 1) p + 2 (p - r - 1) + 1; the V schedule about 2 p (the ZB-V paper: as 1F1B's p
+        micro-batches of a whole rank's layers, in chunks of half the size)."""
+        m, p, v, r = self.microbatches, self.pp, self.n_stages // self.pp, pp_rank
+        if self.schedule == "GPipe":
+            return m
+        if self.schedule == "1F1B":
+            return min(m, p - r)
+        if self.schedule == "LoopedBFS":
+            return v * m
+        if self.schedule == "ZBVZeroBubble":
+            return min(2 * m, 2 * p)
+        return min(v * m, (v - 1) * p + 2 * (p - r - 1) + 1)
+
     def describe(self) -> str:
-        sizes = "/".join(str(len(b)) for b in self.stage_blocks)
+        runs: list[list[int]] = []  # [blocks, how many consecutive stages have that many]
+        for blocks in self.stage_blocks:
+            if runs and runs[-1][0] == len(blocks):
+                runs[-1][1] += 1
+            else:
+                runs.append([len(blocks), 1])
+        sizes = ", ".join(f"{k} x {n}" if k > 1 else str(n) for n, k in runs)
         return (
-            f"{self.schedule}, {self.n_stages} stages of {sizes} blocks, "
+            f"{self.schedule}, {self.n_stages} stages ({sizes} blocks), "
             f"{self.microbatches} micro-batches"
         )
 

@@ -297,3 +297,24 @@ def test_activation_sets_in_flight_follow_each_schedule() -> None:
     for schedule, sets in expected.items():
         plan = plan_of(4, schedule, 8, local_batch=8)
         assert [plan.in_flight(r) for r in range(4)] == sets, schedule
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_on_top_of_the_pipeline(tmp_path: Path, baselines: dict) -> None:
+    """Two accumulated local batches of 2 (each 2 pipeline micro-batches) per step: the same
+    global batch of 4 as one process."""
+    args = ["--model.n_layers", "4", "--training.local_batch_size", "2"]
+    args += ["--training.global_batch_size", "4", "--parallelism.pipeline_parallel_degree", "2"]
+    args += ["--validation.steps", "4"]  # validation batches of 2: the baseline's 8 sequences
+    assert_close(run(2, tmp_path / "run", *args), baselines[4][1])
+
+
+@pytest.mark.slow
+def test_pipeline_over_hsdp(tmp_path: Path, baselines: dict) -> None:
+    """pp 2 x dp_replicate 2 x dp_shard 2 (8 ranks): each stage is HSDP-sharded."""
+    args = ["--model.n_layers", "4", "--training.local_batch_size", "1"]
+    args += ["--parallelism.pipeline_parallel_degree", "2"]
+    args += ["--parallelism.data_parallel_replicate_degree", "2"]
+    args += ["--parallelism.data_parallel_shard_degree", "2"]
+    args += ["--parallelism.pipeline_parallel_schedule", "GPipe"]
+    assert_close(run(8, tmp_path / "run", *args), baselines[4][1])

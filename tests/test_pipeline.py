@@ -213,8 +213,9 @@ def generated(checkpoint: Path) -> str:
 
 @pytest.mark.slow
 def test_resume_across_pipeline_layouts(tmp_path: Path, baselines: dict) -> None:
-    """A pp 2 checkpoint generates text and resumes in one process, and a one-process
-    checkpoint resumes at pp 2 x tp 2, both continuing as the uninterrupted run did."""
+    """A pp 2 checkpoint generates text and resumes in one process and under another
+    schedule, and a one-process checkpoint resumes at pp 2 x tp 2, all continuing as the
+    uninterrupted run did."""
     base_run, base = baselines[4]
     depth = ["--model.n_layers", "4", "--training.local_batch_size", "4"]
     pp2 = tmp_path / "pp2"
@@ -224,6 +225,13 @@ def test_resume_across_pipeline_layouts(tmp_path: Path, baselines: dict) -> None
     one = tmp_path / "one"
     shutil.copytree(pp2 / "checkpoint" / "step-4", one / "checkpoint" / "step-4")
     resumed = run(1, one, *depth)
+    assert sorted(k for k in resumed if k != "val") == list(range(5, STEPS + 1))
+    assert_close(resumed, base, range(5, STEPS + 1))
+
+    other = tmp_path / "pp2_interleaved"  # the same degree, another schedule and split
+    shutil.copytree(pp2 / "checkpoint" / "step-4", other / "checkpoint" / "step-4")
+    schedule = ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]
+    resumed = run(2, other, *depth, "--parallelism.pipeline_parallel_degree", "2", *schedule)
     assert sorted(k for k in resumed if k != "val") == list(range(5, STEPS + 1))
     assert_close(resumed, base, range(5, STEPS + 1))
 

@@ -46,7 +46,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_shard_bytes = parse_size(args.max_shard_size)
         loaded = load_checkpoint_model(args.checkpoint)
         meta = loaded.meta
-        tokenizer = checkpoint_tokenizer(meta, args.tokenizer, loaded.args.vocab_size)
+        tokenizer = checkpoint_tokenizer(
+            meta, args.tokenizer, loaded.args.vocab_size, args.checkpoint
+        )
         source = {"source": str(args.checkpoint.resolve()), "step": meta.get("step")}
         files = save_hf(
             loaded.model.state_dict(),

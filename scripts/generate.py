@@ -54,7 +54,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_args(args)
         loaded = load_checkpoint_model(args.checkpoint)
         model, model_args = loaded.model, loaded.args
-        tokenizer = checkpoint_tokenizer(loaded.meta, args.tokenizer, model_args.vocab_size)
+        tokenizer = checkpoint_tokenizer(
+            loaded.meta, args.tokenizer, model_args.vocab_size, args.checkpoint
+        )
         prompt_ids = tokenizer.encode(args.prompt, bos=True, eos=False)
         if not prompt_ids:
             raise UserError("the prompt is empty and the tokenizer has no BOS token")

@@ -192,7 +192,15 @@ def test_train_resume_under_another_layout_and_export(bpe: Path, tmp_path: Path)
 
     transformers = pytest.importorskip("transformers")
     out = tmp_path / "hf"
-    assert convert_to_hf.main([str(two / "checkpoint" / "step-6"), str(out)]) == 0
+    # The checkpoint carries the tokenizer: the original folder is not needed to export it.
+    step = two / "checkpoint" / "step-6"
+    assert json.loads((step / "titanlite.json").read_text())["tokenizer"] == "tokenizer.json"
+    hidden = bpe.with_name("hidden")
+    bpe.rename(hidden)
+    try:
+        assert convert_to_hf.main([str(step), str(out)]) == 0
+    finally:
+        hidden.rename(bpe)
     assert {"tokenizer.json", "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
     assert not (out / "tokenizer.model").exists()
     config = json.loads((out / "config.json").read_text())

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import read_metrics, run_train
+from conftest import REPO, read_metrics, run_train
 
 from titanlite.config.parse import tomllib
 
@@ -52,6 +53,18 @@ def test_default_run_learns_and_writes_its_outputs(tmp_path: Path) -> None:
     # wandb (offline) wrote a run with data in it.
     runs = list((out / "wandb").glob("offline-run-*/run-*.wandb"))
     assert runs and runs[0].stat().st_size > 0
+
+    # The checkpoint carries its tokenizer: it converts from any folder.
+    last = out / "checkpoint" / "step-100"
+    assert json.loads((last / "titanlite.json").read_text())["tokenizer"] == "tokenizer.model"
+    shipped = REPO / "titanlite" / "assets" / "tokenizer.model"
+    assert (last / "tokenizer.model").read_bytes() == shipped.read_bytes()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    convert = [sys.executable, str(REPO / "scripts" / "convert_to_hf.py"), str(last), "hf"]
+    converted = subprocess.run(convert, cwd=elsewhere, capture_output=True, text=True, timeout=300)
+    assert converted.returncode == 0, converted.stderr
+    assert (elsewhere / "hf" / "tokenizer.model").is_file()
 
 
 def _losses(folder: Path) -> list[float]:

@@ -145,7 +145,10 @@ class Trainer:
         self.checkpointer = Checkpointer(
             states, cfg.checkpoint, checkpoint_folder,
             ModelIdentity(self.spec.name, asdict(self.model_args)),
-            {"tokenizer": cfg.model.tokenizer_path}, self.dist.is_main,
+            {"tokenizer_source": cfg.model.tokenizer_path}, self.dist.is_main,
+            # The tokenizer travels inside: converting or generating from a checkpoint works
+            # from any folder, wherever the original file was.
+            write_files=lambda folder: {"tokenizer": self.tokenizer.copy_files(folder).name},
         )  # fmt: skip
         if self.checkpointer.load():
             self.metrics.log(

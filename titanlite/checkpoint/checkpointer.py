@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +90,7 @@ class Checkpointer:
         identity: ModelIdentity,
         sidecar_fields: dict[str, Any],
         is_main: bool,
+        write_files: Callable[[Path], dict[str, Any]] | None = None,
     ):
         self.states = states
         self.cfg = cfg
@@ -96,6 +98,9 @@ class Checkpointer:
         self.identity = identity
         self.sidecar_fields = sidecar_fields
         self.is_main = is_main
+        # Rank 0 writes these files into every checkpoint (the tokenizer, so a checkpoint is
+        # self-contained); the fields it returns join the sidecar.
+        self.write_files = write_files
         self._pending: tuple[Future, Path, Path, dict[str, Any], float] | None = None
         # Background saves talk over their own group so they never interleave with the
         # training step's collectives.
@@ -242,6 +247,8 @@ class Checkpointer:
         metadata are written by then."""
         if not self.is_main:
             return
+        if self.write_files is not None:
+            sidecar = {**sidecar, **self.write_files(partial)}
         write_sidecar(partial, sidecar)
         if final.exists():  # an abandoned run's step-N (after a load_step rewind)
             stale = final.with_name(final.name + ".stale")

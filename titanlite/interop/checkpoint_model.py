@@ -53,13 +53,19 @@ def spec_and_args(meta: Mapping[str, Any], where: str) -> tuple[ModelSpec, Any]:
 
 
 def checkpoint_tokenizer(
-    meta: Mapping[str, Any], override: str | os.PathLike[str] | None, vocab_size: int
+    meta: Mapping[str, Any],
+    override: str | os.PathLike[str] | None,
+    vocab_size: int,
+    folder: str | os.PathLike[str] | None = None,
 ) -> Tokenizer:
-    """The tokenizer given on the command line, else the one titanlite.json names; a
+    """The tokenizer given on the command line, else the one titanlite.json names (a file
+    inside the checkpoint ``folder``, or, for older checkpoints, a path of its own); a
     UserError when neither is usable or it has more tokens than the model."""
     path = override or meta.get("tokenizer")
     if not path:
         raise UserError("the checkpoint names no tokenizer: pass --tokenizer PATH")
+    if override is None and folder is not None and (Path(folder) / path).is_file():
+        path = Path(folder) / path
     if override is None and not Path(path).exists():
         raise UserError(
             f"tokenizer {str(path)!r} named by the checkpoint is not found from "
@@ -142,8 +148,7 @@ def save_model_checkpoint(
             dcp.save({"model": dict(state)}, storage_writer=FileSystemWriter(str(tmp)))
         tokenizer_path = None
         if tokenizer is not None:
-            copied = tokenizer.copy_files(tmp)
-            tokenizer_path = str((out / copied.name).resolve())
+            tokenizer_path = tokenizer.copy_files(tmp).name  # relative: the folder can move
         write_sidecar(
             tmp,
             {

@@ -16,10 +16,9 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from titanlite.config.job_config import JobConfig
-from titanlite.config.parse import apply_toml, toml_value, tomllib
+from titanlite.config.parse import apply_toml, read_toml, toml_value
 from titanlite.config.torchtitan import Conversion, convert, looks_like_torchtitan
 from titanlite.errors import EXIT_USER_ERROR, UserError
 
@@ -32,18 +31,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("out", type=Path, help="titanlite TOML config to write")
     parser.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
     return parser.parse_args(argv)
-
-
-def read_source(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise UserError(f"{str(path)!r} is not a file" if path.exists() else f"{str(path)!r} not found")  # fmt: skip
-    try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except tomllib.TOMLDecodeError as e:
-        raise UserError(f"{str(path)!r} is not valid TOML: {e}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"{str(path)!r} cannot be read: {e}") from None
 
 
 def render(conv: Conversion, source: Path) -> str:
@@ -69,7 +56,7 @@ def write_atomically(path: Path, text: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    data = read_source(args.source)
+    data = read_toml(str(args.source))
     if not looks_like_torchtitan(data):
         raise UserError(
             f"{str(args.source)!r} does not look like a TorchTitan config (it names no key only"

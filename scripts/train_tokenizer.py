@@ -19,7 +19,6 @@ import argparse
 import io
 import json
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -38,6 +37,7 @@ from titanlite.data.tokenizer import (
     load_tokenizer,
 )
 from titanlite.errors import EXIT_USER_ERROR, UserError
+from titanlite.interop.folders import atomic_folder
 
 # sentencepiece skips longer "sentences"; we feed lines and cut longer ones at spaces.
 MAX_SENTENCE_BYTES = 8192
@@ -171,25 +171,10 @@ def write_folder_atomically(files: dict[str, str], out: Path) -> None:
     extra = sorted(p.name for p in out.iterdir() if p.name not in files) if out.is_dir() else []
     if extra:
         raise UserError(f"--out {str(out)!r} holds other files ({', '.join(extra)}): not replaced")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    try:
+    with atomic_folder(out) as tmp:
         for name, content in files.items():
             (tmp / name).write_text(content)
         load_tokenizer(tmp)  # refuse to install a tokenizer that does not load
-        tmp.chmod(0o777 & ~current_umask())
-        if out.is_dir():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def current_umask() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return umask
 
 
 def write_atomically(data: bytes, out: Path) -> None:
@@ -202,9 +187,9 @@ def write_atomically(data: bytes, out: Path) -> None:
             f.flush()
             os.fsync(f.fileno())
         load_tokenizer(tmp)  # refuse to install a file that does not load
-        os.chmod(
-            tmp, 0o666 & ~current_umask()
-        )  # mkstemp makes it private; a model is an ordinary file
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; a model is an ordinary file
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -138,6 +138,25 @@ def baselines(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[Path,
     return result
 
 
+_DEGREES = {"replicate": "data_parallel_replicate", "shard": "data_parallel_shard",
+            "tp": "tensor_parallel"}  # fmt: skip
+
+
+def layout(
+    layers: int, local_batch: int, pp: int = 1, schedule: str | None = None, **degrees: int
+) -> list[str]:
+    """Arguments of a run: blocks, local batch, pipeline degree and schedule, and the other
+    degrees by short name (replicate=, shard=, tp=)."""
+    args = ["--model.n_layers", str(layers), "--training.local_batch_size", str(local_batch)]
+    if pp > 1:
+        args += ["--parallelism.pipeline_parallel_degree", str(pp)]
+    if schedule is not None:
+        args += ["--parallelism.pipeline_parallel_schedule", schedule]
+    for name, degree in degrees.items():
+        args += [f"--parallelism.{_DEGREES[name]}_degree", str(degree)]
+    return args
+
+
 # Qwen3 ties its small sizes. At the debug config's lr 2e-3 the tied model's gradient norm
 # swings 3 -> 50 within 8 steps and amplifies the (legitimate) reordering of the two copies'
 # gradient sum to 2e-5; at 5e-4 it trains smoothly and agrees to 1e-7.
@@ -151,10 +170,7 @@ SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBu
 def test_each_schedule_at_pp2_matches_one_process(
     tmp_path: Path, baselines: dict, schedule: str
 ) -> None:
-    args = ["--model.n_layers", "4", "--training.local_batch_size", "4"]
-    args += ["--parallelism.pipeline_parallel_degree", "2"]
-    args += ["--parallelism.pipeline_parallel_schedule", schedule]
-    assert_close(run(2, tmp_path / "run", *args), baselines[4][1])
+    assert_close(run(2, tmp_path / "run", *layout(4, 4, 2, schedule)), baselines[4][1])
 
 
 @pytest.mark.slow
@@ -162,10 +178,7 @@ def test_each_schedule_at_pp2_matches_one_process(
 def test_two_stages_per_rank_at_pp4_match_one_process(
     tmp_path: Path, baselines: dict, schedule: str
 ) -> None:
-    args = ["--model.n_layers", "8", "--training.local_batch_size", "4"]
-    args += ["--parallelism.pipeline_parallel_degree", "4"]
-    args += ["--parallelism.pipeline_parallel_schedule", schedule]
-    assert_close(run(4, tmp_path / "run", *args), baselines[8][1])
+    assert_close(run(4, tmp_path / "run", *layout(8, 4, 4, schedule)), baselines[8][1])
 
 
 LAYOUTS = {
@@ -245,10 +258,7 @@ def test_resume_across_pipeline_layouts(tmp_path: Path, baselines: dict) -> None
 
 @pytest.mark.slow
 def test_pipeline_with_titanlites_own_ddp_over_replicas(tmp_path: Path, baselines: dict) -> None:
-    args = ["--model.n_layers", "4", "--training.local_batch_size", "2"]
-    args += ["--parallelism.pipeline_parallel_degree", "2"]
-    args += ["--parallelism.data_parallel_replicate_degree", "2"]
-    args += ["--parallelism.data_parallel_shard_degree", "1"]
+    args = layout(4, 2, 2, replicate=2, shard=1)
     assert_close(run(4, tmp_path / "run", *args), baselines[4][1])
 
 
@@ -256,9 +266,7 @@ def test_pipeline_with_titanlites_own_ddp_over_replicas(tmp_path: Path, baseline
 def test_tied_embeddings_on_one_rank_with_the_v_schedule(tmp_path: Path, baselines: dict) -> None:
     """ZBVZeroBubble puts stages 0 and 3 on rank 0: both copies of the tied weight are there
     and get their summed gradient locally."""
-    args = ["--model.n_layers", "4", "--training.local_batch_size", "4", *TIED]
-    args += ["--parallelism.pipeline_parallel_degree", "2"]
-    args += ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]
+    args = [*layout(4, 4, 2, "ZBVZeroBubble"), *TIED]
     assert_close(run(2, tmp_path / "run", *args), baselines["tied"][1])
 
 
@@ -284,11 +292,7 @@ def test_tied_embeddings_across_ranks_and_their_checkpoints(
 
 @pytest.mark.slow
 def test_pp2_dp_shard2_tp2_on_eight_ranks(tmp_path: Path, baselines: dict) -> None:
-    args = ["--model.n_layers", "4", "--training.local_batch_size", "2"]
-    args += ["--parallelism.pipeline_parallel_degree", "2"]
-    args += ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]
-    args += ["--parallelism.data_parallel_shard_degree", "2"]
-    args += ["--parallelism.tensor_parallel_degree", "2"]
+    args = layout(4, 2, 2, "Interleaved1F1B", shard=2, tp=2)
     assert_close(run(8, tmp_path / "run", *args), baselines[4][1])
 
 
@@ -320,9 +324,5 @@ def test_gradient_accumulation_on_top_of_the_pipeline(tmp_path: Path, baselines:
 @pytest.mark.slow
 def test_pipeline_over_hsdp(tmp_path: Path, baselines: dict) -> None:
     """pp 2 x dp_replicate 2 x dp_shard 2 (8 ranks): each stage is HSDP-sharded."""
-    args = ["--model.n_layers", "4", "--training.local_batch_size", "1"]
-    args += ["--parallelism.pipeline_parallel_degree", "2"]
-    args += ["--parallelism.data_parallel_replicate_degree", "2"]
-    args += ["--parallelism.data_parallel_shard_degree", "2"]
-    args += ["--parallelism.pipeline_parallel_schedule", "GPipe"]
+    args = layout(4, 1, 2, "GPipe", replicate=2, shard=2)
     assert_close(run(8, tmp_path / "run", *args), baselines[4][1])

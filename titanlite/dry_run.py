@@ -86,14 +86,13 @@ def _pipeline_lines(
     pp_rank, t = dims.local_rank("pp"), cfg.training
     stages = plan.rank_stages(pp_rank)
     micro = cfg.parallelism.pipeline_parallel_microbatch_size
-    per_block = block_activation_bytes(spec, args, t.seq_len) * micro
-    if t.mixed_precision_param == "bfloat16":
-        per_block //= 2
     ac = cfg.activation_checkpoint.mode
     if ac == "full":  # only each block's input is kept
-        per_block = (
-            micro * t.seq_len * args.dim * (2 if t.mixed_precision_param == "bfloat16" else 4)
-        )
+        per_block = micro * t.seq_len * args.dim * 4
+    else:
+        per_block = block_activation_bytes(spec, args, t.seq_len) * micro
+    if t.mixed_precision_param == "bfloat16":
+        per_block //= 2
     per_block //= dims.degrees.tp  # sequence and tensor parallelism split them
     per_set = max(len(plan.stage_blocks[s]) for s in stages) * per_block
     sets = plan.in_flight(pp_rank)

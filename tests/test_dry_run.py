@@ -85,3 +85,32 @@ def test_pipeline_dry_run_sizes_one_ranks_stages_and_their_activations(
     sets = int(re.search(r"peak: (\d+) \(micro-batch, stage\) sets", out).group(1))
     assert sets == 16  # 1F1B's rank 0 keeps min(micro-batches, pp) = 16
     assert 0.9 < state["no_pp"] / state["pp16"] / 16 < 1.1, state
+
+
+def test_dry_run_sizes_context_parallel_activations() -> None:
+    """Llama 3 8B, 32K tokens per sequence on 32 ranks: with cp=4 each rank keeps about a
+    quarter of the activations (its chunks, plus the gathered keys and values), and FSDP
+    shards over dp_shard x cp, so the model state per rank is the same as at cp=1."""
+    from titanlite.config import load_config
+    from titanlite.dry_run import dry_run
+
+    reports = {}
+    for cp in (1, 4):
+        cfg = load_config([
+            "--job.config_file", str(REPO / "train_configs" / "llama3_8b.toml"),
+            "--training.seq_len", "32768", "--training.local_batch_size", "1",
+            "--parallelism.tensor_parallel_degree", "4",
+            "--parallelism.context_parallel_degree", str(cp),
+        ])  # fmt: skip
+        reports[cp] = dry_run(cfg, 32, 128256)
+    gib = {
+        cp: float(re.search(r"activations\s+~([\d.]+) GiB", out).group(1))
+        for cp, out in reports.items()
+    }
+    assert 0.2 < gib[4] / gib[1] < 0.35, reports
+    assert "8,192 tokens of each sequence" in reports[4]
+    assert "mesh            dp_shard=2 x cp=4 x tp=4" in reports[4]
+    state = {
+        cp: re.search(r"model state\s+([\d.]+) GiB", out).group(1) for cp, out in reports.items()
+    }
+    assert state[1] == state[4], reports

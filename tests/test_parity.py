@@ -69,14 +69,17 @@ class Layout:
     replicate: int = 1
     shard: int = 1
     tp: int = 1
+    cp: int = 1
 
     @property
     def ngpu(self) -> int:
-        return self.replicate * self.shard * self.tp
+        return self.replicate * self.shard * self.cp * self.tp
 
     @property
     def name(self) -> str:
-        degrees = {"dp_replicate": self.replicate, "dp_shard": self.shard, "tp": self.tp}
+        degrees = {
+            "dp_replicate": self.replicate, "dp_shard": self.shard, "cp": self.cp, "tp": self.tp
+        }  # fmt: skip
         parts = [f"{dim}={degree}" for dim, degree in degrees.items() if degree > 1]
         return " x ".join(parts) or "1 process"
 
@@ -86,6 +89,7 @@ class Layout:
             "--parallelism.data_parallel_replicate_degree", str(self.replicate),
             "--parallelism.data_parallel_shard_degree", str(self.shard),
             "--parallelism.tensor_parallel_degree", str(self.tp),
+            "--parallelism.context_parallel_degree", str(self.cp),
             "--training.local_batch_size", str(local_batch),
         ]  # fmt: skip
 
@@ -99,6 +103,18 @@ LAYOUTS = [
     Layout(replicate=2, tp=2),
     Layout(shard=2, tp=2),
     Layout(replicate=2, shard=2, tp=2),
+]
+# Context parallelism (each of the 8 sequences split over the cp ranks), alone and composed
+# with sequence-parallel TP, FSDP (over dp_shard x cp) and titanlite's DDP (over
+# dp_replicate x cp); Qwen3 (q/k norms, rotate-half RoPE) in the two basic layouts.
+CP_LAYOUTS = [
+    ("llama3", Layout(cp=2)),
+    ("llama3", Layout(cp=4)),
+    ("llama3", Layout(cp=2, tp=2)),
+    ("llama3", Layout(shard=2, cp=2)),
+    ("llama3", Layout(replicate=2, cp=2)),
+    ("qwen3", Layout(cp=2)),
+    ("qwen3", Layout(shard=2, cp=2)),
 ]
 
 
@@ -188,15 +204,37 @@ def test_layout_matches_one_process(
     layout: Layout, family: str, baselines: dict[str, Curves],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:  # fmt: skip
+    check_layout(layout, family, baselines, tmp_path_factory)
+
+
+@pytest.mark.parametrize(
+    ("family", "layout"),
+    CP_LAYOUTS,
+    ids=[f"{f}-{lay.name.replace(' ', '')}" for f, lay in CP_LAYOUTS],
+)
+def test_context_parallel_layout_matches_one_process(
+    family: str, layout: Layout, baselines: dict[str, Curves],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:  # fmt: skip
+    output = check_layout(layout, family, baselines, tmp_path_factory)
+    assert f"keys and values all-gathered over cp={layout.cp}" in output
+
+
+def check_layout(
+    layout: Layout, family: str, baselines: dict[str, Curves],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> str:  # fmt: skip
+    """Train ``layout`` and assert its degrees, global batch and parity; rank 0's log."""
     name = f"{family} {layout.name}"
     run = train(tmp_path_factory, name, family, *layout.args(), ngpu=layout.ngpu)
     expected = {
-        "pp": 1, "dp_replicate": layout.replicate, "dp_shard": layout.shard, "cp": 1,
+        "pp": 1, "dp_replicate": layout.replicate, "dp_shard": layout.shard, "cp": layout.cp,
         "tp": layout.tp,
     }  # fmt: skip
     assert run.info["parallel_degrees"] == expected
     assert run.info["global_batch_size"] == GLOBAL_BATCH
     assert_parity(name, baselines[family], run.curves)
+    return run.output
 
 
 @pytest.mark.parametrize(

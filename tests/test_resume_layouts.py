@@ -44,6 +44,12 @@ LAYOUTS = {
          "--parallelism.data_parallel_shard_degree", "1",
          "--parallelism.tensor_parallel_degree", "2"],
     ),
+    # Context parallelism: each sequence split over 2 ranks (alone: DDP over them; with
+    # dp_shard: FSDP over dp_shard x cp).
+    "cp2": (2, ["--training.local_batch_size", "4", "--parallelism.context_parallel_degree", "2"]),
+    "cp2_dp_shard2": (
+        4, ["--training.local_batch_size", "2", "--parallelism.context_parallel_degree", "2"]
+    ),
 }  # fmt: skip
 RTOL = 1e-5
 
@@ -83,7 +89,9 @@ def baselines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path,
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3"])
-@pytest.mark.parametrize("layout", ["dp_shard2", "dp_shard2_tp2", "dp_replicate2_tp2"])
+@pytest.mark.parametrize(
+    "layout", ["dp_shard2", "dp_shard2_tp2", "dp_replicate2_tp2", "cp2_dp_shard2"]
+)
 def test_every_layout_starts_from_the_same_weights(family: str, layout: str) -> None:
     extra = QWEN3 if family == "qwen3" else []
     world, layout_args = LAYOUTS[layout]
@@ -98,8 +106,11 @@ def test_every_layout_starts_from_the_same_weights(family: str, layout: str) -> 
 
 @pytest.mark.parametrize(
     ("family", "layout"),
-    [("llama3", "dp_shard2_tp2"), ("llama3", "dp_replicate4"), ("qwen3", "dp_shard2_tp2")],
-)
+    [
+        ("llama3", "dp_shard2_tp2"), ("llama3", "dp_replicate4"), ("qwen3", "dp_shard2_tp2"),
+        ("llama3", "cp2_dp_shard2"),
+    ],
+)  # fmt: skip
 def test_one_process_checkpoint_resumes_on_4_ranks(
     tmp_path: Path, baselines: dict, family: str, layout: str
 ) -> None:
@@ -115,14 +126,16 @@ def test_one_process_checkpoint_resumes_on_4_ranks(
     assert_close(losses, base, range(9, STEPS + 1))
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+@pytest.mark.parametrize(
+    ("family", "layout"), [("llama3", "dp_shard2"), ("qwen3", "dp_shard2"), ("qwen3", "cp2")]
+)
 def test_two_rank_checkpoint_resumes_in_one_process(
-    tmp_path: Path, baselines: dict, family: str
+    tmp_path: Path, baselines: dict, family: str, layout: str
 ) -> None:
     _, base = baselines[family]
     extra = QWEN3 if family == "qwen3" else []
     two = tmp_path / "two"
-    losses_two, _, _ = train(two, "dp_shard2", *extra)
+    losses_two, _, _ = train(two, layout, *extra)
     assert_close(losses_two, base, range(1, STEPS + 1))
     # Each rank saved its own RNG state under its own key.
     saved = SafeFileSystemReader(str(two / "checkpoint" / "step-8")).read_metadata()

@@ -268,6 +268,7 @@ def test_8b_converts() -> None:
         "data_parallel_replicate_degree": 2,
         "data_parallel_shard_degree": -1,
         "tensor_parallel_degree": 4,
+        "context_parallel_degree": 1,
         "pipeline_parallel_degree": 1,
         "pipeline_parallel_first_stage_less_layers": 1,  # TorchTitan's defaults
         "pipeline_parallel_last_stage_less_layers": 1,
@@ -308,7 +309,6 @@ def test_without_tokenizer_the_vocabulary_follows_titanlite_default() -> None:
             '[parallelism]\npipeline_parallel_schedule = "DualPipeV"\n',
             "parallelism.pipeline_parallel_schedule",
         ),  # fmt: skip
-        ("[parallelism]\ncontext_parallel_degree = 4\n", "parallelism.context_parallel_degree"),
         ("[parallelism]\nexpert_parallel_degree = 8\n", "parallelism.expert_parallel_degree"),
         ('[model]\nname = "deepseek_v3"\nflavor = "16B"\n', "model.name"),
         ('[model]\nname = "qwen3"\nflavor = "30B-A3B"\n', "model.flavor"),
@@ -325,12 +325,22 @@ def test_blocking(text: str, key: str) -> None:
     assert any(line.startswith(f"blocking: {key} = ") for line in conv.report_lines())
 
 
-def test_report_line_for_context_parallelism() -> None:
-    conv = convert(parsed("[parallelism]\ncontext_parallel_degree = 2\n"))
+def test_report_line_for_expert_parallelism() -> None:
+    conv = convert(parsed("[parallelism]\nexpert_parallel_degree = 2\n"))
     assert conv.report_lines()[0] == (
-        "blocking: parallelism.context_parallel_degree = 2: "
-        "titanlite has no context parallelism yet; set it to 1"
+        "blocking: parallelism.expert_parallel_degree = 2: "
+        "titanlite has no MoE models or expert parallelism yet; set it to 1"
     )
+
+
+def test_context_parallel_degree_carries_over() -> None:
+    text = (
+        '[parallelism]\ncontext_parallel_degree = 4\ncontext_parallel_rotate_method = "alltoall"\n'
+    )
+    conv = converted(text)
+    assert conv.config["parallelism"]["context_parallel_degree"] == 4
+    assert "parallelism.context_parallel_degree" not in blocking_keys(conv)
+    assert "parallelism.context_parallel_rotate_method" in dropped_keys(conv)
 
 
 def test_pipeline_keys_carry_over_with_torchtitan_defaults() -> None:
@@ -361,7 +371,7 @@ def test_torchtitan_files_are_detected() -> None:
     for marker in (
         '[model]\nhf_assets_path = "x"\n',
         "[job]\nprint_config = false\n",
-        "[parallelism]\ncontext_parallel_degree = 1\n",
+        '[parallelism]\ncontext_parallel_rotate_method = "allgather"\n',
         "[quantize.linear.float8]\nfilter_fqns = []\n",
         '[training]\ndataset = "c4_test"\n',
     ):
@@ -424,14 +434,14 @@ def test_script_errors(tmp_path: Path, case: str) -> None:
     elif case == "titanlite":
         source = REPO / "train_configs" / "debug_model.toml"
     elif case == "blocking":
-        source.write_text(TT_8B.replace("context_parallel_degree = 1", "context_parallel_degree = 2"))  # fmt: skip
+        source.write_text(TT_8B.replace("context_parallel_degree = 1", "expert_parallel_degree = 2"))  # fmt: skip
     result = convert_script(source, out)
     assert result.returncode == 2
     assert not out.exists()
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("convert_torchtitan_config: error: ")
     if case == "blocking":
-        assert "blocking: parallelism.context_parallel_degree = 2" in result.stderr
+        assert "blocking: parallelism.expert_parallel_degree = 2" in result.stderr
         assert "nothing written" in last
     if case != "blocking":
         assert len(result.stderr.strip().splitlines()) == 1
@@ -459,13 +469,13 @@ def test_run_as_is_loads_the_titanlite_equivalent(
 
 def test_run_as_is_refuses_what_titanlite_cannot_honour_line_by_line(tmp_path: Path) -> None:
     source = tmp_path / "tt.toml"
-    text = TT_DEBUG.replace("context_parallel_degree = 1", "context_parallel_degree = 2")
+    text = TT_DEBUG.replace("context_parallel_degree = 1", "expert_parallel_degree = 2")
     source.write_text(text.replace('# converters = ["quantize', 'converters = ["quantize'))
     with pytest.raises(ConfigError) as info:
         load_config(["--job.config_file", str(source)])
     lines = str(info.value).split("\n")
     assert len(lines) == 3 and "cannot honour" in lines[0]
-    assert any("parallelism.context_parallel_degree = 2" in line for line in lines[1:])
+    assert any("parallelism.expert_parallel_degree = 2" in line for line in lines[1:])
     assert any("model.converters" in line for line in lines[1:])
 
 

@@ -75,6 +75,22 @@ def check_pipeline(cfg: JobConfig, degrees: Degrees, args: Any, problems: Proble
         )
 
 
+def check_context(cfg: JobConfig, degrees: Degrees, problems: Problems) -> None:
+    """What context parallelism needs: sequences that split into 2 chunks per cp rank, each
+    rank's share split again by sequence parallelism; no pipeline stages (not built yet)."""
+    cp, tp, seq = degrees.cp, degrees.tp, cfg.training.seq_len
+    if seq % (2 * cp * tp):
+        problems.add(
+            f"training.seq_len {seq} is not divisible by 2 x context_parallel_degree x "
+            f"tensor_parallel_degree = 2 x {cp} x {tp} = {2 * cp * tp}"
+        )
+    if degrees.pp > 1:
+        problems.add(
+            "parallelism: context parallelism does not combine with pipeline parallelism yet; "
+            "set context_parallel_degree or pipeline_parallel_degree to 1"
+        )
+
+
 def check(cfg: JobConfig, world_size: int) -> Tokenizer | None:
     """Raise a UserError for anything about this run that is wrong before it starts (every
     independent problem at once); returns the (valid) tokenizer, or None in a dry run given
@@ -104,7 +120,9 @@ def check(cfg: JobConfig, world_size: int) -> Tokenizer | None:
                     )
             if degrees and degrees.pp > 1:
                 check_pipeline(cfg, degrees, args, problems)
-    if degrees and cfg.training.seq_len % degrees.tp:
+    if degrees and degrees.cp > 1:
+        check_context(cfg, degrees, problems)
+    elif degrees and cfg.training.seq_len % degrees.tp:
         problems.add(
             f"parallelism.tensor_parallel_degree {degrees.tp} does not divide training.seq_len "
             f"{cfg.training.seq_len} (sequence parallelism splits the sequence)"

@@ -52,7 +52,10 @@ def dry_run(cfg: JobConfig, world_size: int, tokenizer_vocab: int) -> str:
         # Under pipeline parallelism a rank holds only its stages: those are what it sizes.
         parts = parallelize(model, spec, args, dims, cfg, device=None).parts
         plan = pipeline_plan(cfg, degrees, args.n_layers)
-        pipeline_lines = _pipeline_lines(cfg, spec, args, plan, dims) if plan else []
+        pipeline_lines = (
+            _pipeline_lines(cfg, spec, args, plan, dims) if plan
+            else _activation_lines(cfg, spec, args, dims)
+        )  # fmt: skip
         params = list({id(p): p for part in parts for p in part.parameters()}.values())
         local_numel = local_bytes(params) // 4  # still float32 on meta
         init_lines = _initialize_one_rank(parts, spec, args, cfg, rank) if init_rank >= 0 else []
@@ -87,13 +90,7 @@ def _pipeline_lines(
     stages = plan.rank_stages(pp_rank)
     micro = cfg.parallelism.pipeline_parallel_microbatch_size
     ac = cfg.activation_checkpoint.mode
-    if ac == "full":  # only each block's input is kept
-        per_block = micro * t.seq_len * args.dim * 4
-    else:
-        per_block = block_activation_bytes(spec, args, t.seq_len) * micro
-    if t.mixed_precision_param == "bfloat16":
-        per_block //= 2
-    per_block //= dims.degrees.tp  # sequence and tensor parallelism split them
+    per_block = _block_bytes(cfg, spec, args, dims, micro)
     per_set = max(len(plan.stage_blocks[s]) for s in stages) * per_block
     sets = plan.in_flight(pp_rank)
     total = sets * per_set
@@ -110,6 +107,41 @@ def _pipeline_lines(
         f"(micro-batch, stage) sets of up to {per_set / GIB:.2f} GiB"
         f"{' + the logits' if plan.n_stages - 1 in stages else ''} (estimate: flash-style "
         f"attention{note})",
+    ]
+
+
+def _block_bytes(cfg: JobConfig, spec, args, dims: ParallelDims, sequences: int) -> int:  # noqa: ANN001
+    """Bytes one block keeps for backward on this rank for ``sequences`` sequences: its
+    share of each (seq_len / cp tokens, split again by tp), plus under context parallelism
+    the keys and values gathered from the whole sequence."""
+    d, t = dims.degrees, cfg.training
+    local = t.seq_len // d.cp
+    if cfg.activation_checkpoint.mode == "full":  # only each block's input is kept
+        per_block = sequences * local * args.dim * 4
+    else:
+        per_block = block_activation_bytes(spec, args, local) * sequences
+        if d.cp > 1:  # gathered [seq, kv heads, head_dim] keys and values, in sequence order
+            per_block += 2 * 2 * sequences * t.seq_len * args.kv_heads * args.head_dim * 4
+    if t.mixed_precision_param == "bfloat16":
+        per_block //= 2
+    return per_block // d.tp  # sequence and tensor parallelism split them
+
+
+def _activation_lines(cfg: JobConfig, spec, args, dims: ParallelDims) -> list[str]:  # noqa: ANN001
+    """Without pipeline stages: one micro-batch's activations kept for backward."""
+    d, t = dims.degrees, cfg.training
+    per_block = _block_bytes(cfg, spec, args, dims, t.local_batch_size)
+    logits = t.local_batch_size * (t.seq_len // d.cp) * args.vocab_size * 4 // d.tp
+    total = args.n_layers * per_block + logits
+    ac = cfg.activation_checkpoint.mode
+    note = {"none": "", "full": ", full activation checkpointing"}.get(
+        ac, f", {ac} checkpointing counted as none"
+    )
+    share = f"{t.seq_len // d.cp:,} tokens of each sequence" if d.cp > 1 else "whole sequences"
+    return [
+        f"  activations     ~{total / GIB:.2f} GiB per micro-batch ({t.local_batch_size} "
+        f"sequence{'s' if t.local_batch_size > 1 else ''}, {share}: {args.n_layers} blocks x {per_block / GIB:.3f} GiB + the "
+        f"logits; estimate: flash-style attention{note})"
     ]
 
 

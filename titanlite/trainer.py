@@ -169,7 +169,10 @@ class Trainer:
             while self.state.step < total:
                 self.state.step += 1
                 t0 = time.perf_counter()
-                batches = [next(self.train_iter) for _ in range(self.accum_steps)]
+                # This rank's share: under context parallelism, its chunks of each sequence.
+                batches = [
+                    self.model.local_batch(*next(self.train_iter)) for _ in range(self.accum_steps)
+                ]
                 window_data_s += time.perf_counter() - t0
                 with self.step_logger.sync_check():
                     loss, n_tokens, grad_norm = self.train_step(batches)
@@ -220,8 +223,8 @@ class Trainer:
         n_tokens = int(
             distributed.all_reduce(torch.as_tensor(local_tokens), dist.ReduceOp.SUM, loss_group)
         )
-        # Data-parallel engines average gradients over the batch ranks; undo that average.
-        scale = self.dims.batch_size / n_tokens
+        # Data-parallel engines average gradients over the batch (x cp) ranks; undo that.
+        scale = self.dims.grad_average_size / n_tokens
         loss_sum = torch.zeros((), device=self.device)
         for i, (inputs, labels) in enumerate(batches):
             inputs = inputs.to(self.device, non_blocking=True)
@@ -298,7 +301,7 @@ class Trainer:
             )
             if not int(have):
                 break
-            inputs, labels = (t.to(self.device) for t in batch)
+            inputs, labels = (t.to(self.device) for t in self.model.local_batch(*batch))
             with self.model.train_context():
                 if self.model.pipeline is not None:
                     ce = self.model.pipeline.evaluate(inputs, labels)

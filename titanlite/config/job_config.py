@@ -133,6 +133,8 @@ class Parallelism:
     """Ranks that shard parameters with FSDP2 (-1 = whatever the world size leaves)."""
     tensor_parallel_degree: int = 1
     """Ranks that split each layer with tensor parallelism."""
+    context_parallel_degree: int = 1
+    """Ranks each sequence is split across (context parallelism, for long sequences): 2 chunks per rank, training.seq_len divisible by 2 x cp x tp."""
     ddp_bucket_cap_mb: float = 25.0
     """Gradient bucket size of the data-parallel engine."""
     disable_loss_parallel: bool = False

@@ -4,12 +4,13 @@ Kept free of torch so the launcher can reject an impossible layout before any pr
 starts. The mesh has five named dimensions, outermost first: pp (pipeline stages),
 dp_replicate (replicas), dp_shard (FSDP shards), cp (context parallel) and tp (tensor
 parallel); ep (expert parallel) is a view that borrows ranks from dp_shard x cp x tp.
-The config sets pp, dp_replicate, dp_shard and tp; cp and ep stay 1 until their
-parallelisms exist. ``pipeline_plan`` splits the blocks into pipeline stages.
+The config sets pp, dp_replicate, dp_shard, cp and tp; ep stays 1 until expert
+parallelism exists. ``pipeline_plan`` splits the blocks into pipeline stages.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -71,29 +72,37 @@ class Degrees:
 def resolve_degrees(cfg: JobConfig, world_size: int) -> Degrees:
     """Fill in data_parallel_shard_degree=-1 and check the product equals the world size."""
     p = cfg.parallelism
-    pp, rep, shard, tp = (
-        p.pipeline_parallel_degree,
-        p.data_parallel_replicate_degree,
-        p.data_parallel_shard_degree,
-        p.tensor_parallel_degree,
-    )
-    named = "data_parallel_replicate_degree x tensor_parallel_degree"
-    others = f"{rep} x {tp}"
-    if pp > 1:
-        named, others = f"pipeline_parallel_degree x {named}", f"{pp} x {others}"
+    given = {  # in mesh order; pp and cp are named only when they are used
+        "pipeline_parallel_degree": p.pipeline_parallel_degree,
+        "data_parallel_replicate_degree": p.data_parallel_replicate_degree,
+        "data_parallel_shard_degree": p.data_parallel_shard_degree,
+        "context_parallel_degree": p.context_parallel_degree,
+        "tensor_parallel_degree": p.tensor_parallel_degree,
+    }
+    optional = ("pipeline_parallel_degree", "context_parallel_degree")
+    for key in optional:
+        if given[key] < 1:
+            raise ConfigError(f"parallelism.{key} must be at least 1, not {given[key]}")
+    shown = {k: v for k, v in given.items() if v > 1 or k not in optional}
+    shard = given["data_parallel_shard_degree"]
     if shard == -1:
-        if world_size % (pp * rep * tp):
+        others = {k: v for k, v in shown.items() if k != "data_parallel_shard_degree"}
+        product = math.prod(others.values())
+        if world_size % product:
             raise ConfigError(
-                f"parallelism: world size {world_size} is not divisible by {named} = {others}"
+                f"parallelism: world size {world_size} is not divisible by "
+                f"{' x '.join(others)} = {' x '.join(map(str, others.values()))}"
             )
-        shard = world_size // (pp * rep * tp)
-    degrees = Degrees(dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp)
+        shard = shown["data_parallel_shard_degree"] = world_size // product
+    degrees = Degrees(
+        dp_replicate=given["data_parallel_replicate_degree"], dp_shard=shard,
+        tp=given["tensor_parallel_degree"], pp=given["pipeline_parallel_degree"],
+        cp=given["context_parallel_degree"],
+    )  # fmt: skip
     if degrees.world_size != world_size:
-        all_named = named.replace(" x tensor", " x data_parallel_shard_degree x tensor")
-        all_values = f"{others.rsplit(' x ', 1)[0]} x {shard} x {tp}"
         raise ConfigError(
-            f"parallelism: {all_named} = {all_values} = {degrees.world_size}, "
-            f"but the world size is {world_size}"
+            f"parallelism: {' x '.join(shown)} = {' x '.join(map(str, shown.values()))} = "
+            f"{degrees.world_size}, but the world size is {world_size}"
         )
     return degrees
 

@@ -3,7 +3,8 @@
 Module names follow Meta's Llama checkpoints (tok_embeddings, layers.N.attention.wq, ...,
 feed_forward.w1/w2/w3, norm, output); the families' specs address them through these names.
 The modules know nothing about parallelism: attention infers its local head count from the
-projection's output, so column-sharded projections just work.
+projection's output, so column-sharded projections just work, and its kernel
+(``CausalAttention``) is the one place context parallelism hooks into.
 
 A family's args object provides dim, n_layers, n_heads, kv_heads, head_dim, ffn_hidden_dim,
 vocab_size, norm_eps, rope_theta, max_seq_len, tie_embeddings, and the class constants
@@ -76,6 +77,26 @@ def apply_rope_halves(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 _ROPE = {"interleaved": apply_rope, "halves": apply_rope_halves}
 
 
+class CausalAttention(nn.Module):
+    """The attention kernel on [batch, heads, seq, head_dim] queries, keys and values: causal
+    scaled dot-product attention (grouped-query when keys have fewer heads).
+
+    No parameters. Context parallelism sets ``context`` (an object with an ``attention(q, k,
+    v)`` method) when the local sequence is this rank's share of a longer one.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.context: Any = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.context is not None:
+            return self.context.attention(q, k, v)
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
+        )
+
+
 class Attention(nn.Module):
     def __init__(self, args: Any):
         super().__init__()
@@ -90,6 +111,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, args.norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.kernel = CausalAttention()
 
     def forward(self, x: torch.Tensor, *, rope: torch.Tensor) -> torch.Tensor:
         # rope is keyword-only: tensor-parallel input styles redistribute positional inputs.
@@ -101,13 +123,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotate(q, rope), self.rotate(k, rope)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            is_causal=True,
-            enable_gqa=q.shape[2] != k.shape[2],
-        )
+        out = self.kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -157,12 +173,17 @@ class Decoder(nn.Module):
         rope = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
         self.register_buffer("rope", rope.to(torch.empty(0).device), persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids -> logits; a pipeline stage (some modules set to None) maps its input
-        (ids, or the hidden states of the stage before) to its output the same way."""
+        (ids, or the hidden states of the stage before) to its output the same way.
+
+        ``positions`` [seq] are the tokens' places in the sequence when they are not 0, 1, ...
+        (a context-parallel rank holds chunks of a longer sequence); RoPE rotates by them.
+        """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        rope = self.rope if positions is None else self.rope[positions]
         for layer in self.layers.values():
-            h = layer(h, self.rope)
+            h = layer(h, rope)
         if self.output is None:
             return h
         return self.output(self.norm(h)).float()

@@ -38,8 +38,8 @@ class ParallelDims:
 
     def __post_init__(self) -> None:
         d = self.degrees
-        if d.cp > 1 or d.ep > 1:
-            raise NotImplementedError("context and expert parallelism are not built yet")
+        if d.ep > 1:
+            raise NotImplementedError("expert parallelism is not built yet")
         self.mesh = init_device_mesh(
             self.device_type, tuple(d.of(n) for n in MESH_DIMS), mesh_dim_names=MESH_DIMS
         )
@@ -71,10 +71,22 @@ class ParallelDims:
         """How many shares each global batch is cut into."""
         return self.degrees.dp
 
+    @property
+    def grad_average_size(self) -> int:
+        """How many ranks' gradients the data-parallel engine averages: every rank whose loss
+        is a part of the total (batch x cp), since context-parallel ranks hold parts of the
+        same sequences and their gradients must add up too."""
+        return self.degrees.loss
+
     def hsdp_or_fsdp_mesh(self) -> DeviceMesh:
-        """FSDP's mesh: 2-D (replicate, shard) for HSDP, else the shard dimension."""
-        if self.degrees.cp > 1:
-            raise NotImplementedError("FSDP over context-parallel ranks is not built yet")
+        """FSDP's mesh: 2-D (replicate, shard) for HSDP, else the shard dimension; the shard
+        dimension takes in the context-parallel ranks (dp_shard x cp)."""
+        shard = "fsdp" if self.degrees.cp > 1 else "dp_shard"
         if self.degrees.dp_replicate > 1:
-            return self.mesh["dp_replicate", "dp_shard"]
-        return self.mesh["dp_shard"]
+            return self.mesh["dp_replicate", shard]
+        return self[shard]
+
+    def replica_group(self) -> dist.ProcessGroup:
+        """The group titanlite's DDP engine averages over when nothing is sharded: the
+        replicas and, under context parallelism, their cp ranks (dp_replicate x cp)."""
+        return self.group("loss" if self.degrees.cp > 1 else "dp_replicate")

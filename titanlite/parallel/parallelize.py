@@ -1,13 +1,14 @@
 """parallelize(): every parallelism applied to the model, in one fixed order.
 
 The order matters and is the same for every layout:
-  1. tensor parallelism (splits layers; must see the plain modules)
+  1. tensor parallelism (splits layers; must see the plain modules), then context
+     parallelism (points the attention kernels at the cp group)
   2. activation checkpointing (wraps blocks, so it goes after TP changed their insides)
   3. torch.compile per block (compiles the TP + AC block as one unit)
   4. FSDP2 when dp_shard > 1 (HSDP when dp_replicate > 1 as well)
   5. materialize: allocate this rank's shards and initialize only their elements
-  6. titanlite's own bucketed DDP over dp_replicate when nothing is sharded (it needs real
-     tensors to broadcast)
+  6. titanlite's own bucketed DDP over dp_replicate (x cp) when nothing is sharded (it needs
+     real tensors to broadcast)
   7. the pipeline schedule over this rank's stages, when pp > 1
 Under pipeline parallelism the model is first cut into this rank's stages (0. below), and
 steps 1-6 apply to each stage as they would to a whole model.
@@ -31,6 +32,7 @@ from titanlite.config import JobConfig
 from titanlite.config.layout import pipeline_plan
 from titanlite.models.spec import ModelSpec
 from titanlite.parallel.blocks import apply_ac, apply_compile
+from titanlite.parallel.context import ContextParallel, apply_cp
 from titanlite.parallel.ddp import BucketedDDP
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.fsdp import apply_fsdp
@@ -49,7 +51,8 @@ class ParallelModel:
     use them; the whole model, or this rank's pipeline stages); ``modules`` are what to call
     for a forward pass (the parts, wrapped by the data-parallel engine where it applies).
     With pipeline parallelism, ``pipeline`` runs them (forward and backward of a whole local
-    batch in one call) instead of calling the model.
+    batch in one call) instead of calling the model. With context parallelism, ``context``
+    splits each sequence: ``local_batch`` gives this rank's share, which the call expects.
     """
 
     parts: list[nn.Module]
@@ -58,11 +61,23 @@ class ParallelModel:
     autocast_dtype: torch.dtype | None = None
     materialize_stats: dict[str, float] = field(default_factory=dict)
     pipeline: Pipeline | None = None
+    context: ContextParallel | None = None
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.pipeline is not None:
             raise RuntimeError("a pipelined model runs through its pipeline, not a call")
+        if self.context is not None:
+            positions = self.context.positions(tokens.shape[1], tokens.device)
+            return self.modules[0](tokens, positions=positions)
         return self.modules[0](tokens)
+
+    def local_batch(
+        self, inputs: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's share of a [batch, seq] batch: all of it, or its context chunks."""
+        if self.context is None:
+            return inputs, labels
+        return self.context.shard(inputs), self.context.shard(labels)
 
     @contextlib.contextmanager
     def train_context(self) -> Iterator[None]:
@@ -130,9 +145,12 @@ def parallelize(
     plan = pipeline_plan(cfg, d, len(getattr(model, spec.blocks)))
     stage_ids = plan.rank_stages(dims.local_rank("pp")) if plan else []
     parts = [split_stage(model, spec, plan, s) for s in stage_ids] if plan else [model]
+    context = ContextParallel(dims.group("cp"), d.cp, dims.local_rank("cp")) if d.cp > 1 else None
     for part in parts:
         if d.tp > 1:
             apply_tp(part, spec, dims["tp"], loss_parallel=lp)
+        if context is not None:
+            apply_cp(part, context)
         ac = cfg.activation_checkpoint
         if ac.mode != "none":
             apply_ac(part, spec, ac.mode, ac.selective_ac_option)
@@ -150,7 +168,9 @@ def parallelize(
                 t.mixed_precision_reduce, reshard,
             )  # fmt: skip
     autocast = None if d.dp_shard > 1 or t.mixed_precision_param == "float32" else torch.bfloat16
-    result = ParallelModel(parts, list(parts), loss_parallel=lp, autocast_dtype=autocast)
+    result = ParallelModel(
+        parts, list(parts), loss_parallel=lp, autocast_dtype=autocast, context=context
+    )
     if device is None:
         return result
     for part in parts:
@@ -158,17 +178,21 @@ def parallelize(
         stats = materialize(part, spec, args, device, t.seed, init_weights, aliases)
         for key, value in stats.items():
             result.materialize_stats[key] = result.materialize_stats.get(key, 0) + value
-    replicas = d.dp_shard == 1 and d.dp_replicate > 1
+    replicas = d.dp_shard == 1 and d.dp_replicate * d.cp > 1
     if replicas and plan is None:
         result.modules = [
-            BucketedDDP(
-                part, process_group=dims.group("dp_replicate"), bucket_cap_mb=p.ddp_bucket_cap_mb
-            )
+            BucketedDDP(part, process_group=dims.replica_group(), bucket_cap_mb=p.ddp_bucket_cap_mb)
             for part in parts
         ]
         logger.info(
-            "applied data parallelism over dp_replicate (bucket cap %.1f MB)", p.ddp_bucket_cap_mb
-        )
+            "applied data parallelism over dp_replicate%s (bucket cap %.1f MB)",
+            " x cp" if d.cp > 1 else "", p.ddp_bucket_cap_mb,
+        )  # fmt: skip
+    if context is not None:
+        logger.info(
+            "context parallelism: each sequence in %d chunks, 2 per rank; keys and values "
+            "all-gathered over cp=%d", 2 * d.cp, d.cp,
+        )  # fmt: skip
     if plan is not None:
         if loss_sum is None:
             raise ValueError("pipeline parallelism needs the loss_sum function")

@@ -1,0 +1,38 @@
+"""Context-parallel scenarios for tests/test_context.py, run on every rank of a tests/pool.py
+pool (the cp group is the whole pool)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from titanlite.parallel.context import ContextParallel
+
+
+def attention_matches_full(rank: int, world: int, kv_heads: int, seq: int) -> dict[str, float]:
+    """This rank's queries against the whole sequence give the outputs and the gradients of
+    queries, keys and values that full causal attention gives at this rank's positions;
+    returns the largest absolute differences."""
+    torch.manual_seed(0)  # the same full tensors on every rank
+    batch, heads, head_dim = 2, 4, 8
+    q = torch.randn(batch, heads, seq, head_dim, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(batch, kv_heads, seq, head_dim, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(batch, kv_heads, seq, head_dim, dtype=torch.float64, requires_grad=True)
+    upstream = torch.randn(batch, heads, seq, head_dim, dtype=torch.float64)
+    full = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != heads)
+    full.backward(upstream)
+
+    context = ContextParallel(dist.group.WORLD, world, rank)
+    mine = context.positions(seq // world, q.device)
+    local = [t.detach()[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
+    out = context.attention(*local)
+    out.backward(upstream[:, :, mine])
+    diffs = {"out": (out - full.detach()[:, :, mine]).abs().max().item()}
+    for name, tensor, piece in zip("qkv", (q, k, v), local, strict=True):
+        diffs[f"grad_{name}"] = (piece.grad - tensor.grad[:, :, mine]).abs().max().item()
+    # Together the ranks hold every position exactly once.
+    everyone = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine)
+    assert sorted(torch.cat(everyone).tolist()) == list(range(seq))
+    return diffs

@@ -1,0 +1,117 @@
+"""Context parallelism: the split of each sequence (load-balanced chunks, positions), the
+checks before launch, and the attention kernel against full causal attention on 2 and 4 gloo
+ranks (float64, outputs and gradients). Training parity of every CP layout is in
+test_parity.py, resume across CP degrees in test_resume_layouts.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import cp_scenarios
+import pytest
+import torch
+import train_scenarios
+from pool import get_pool
+
+from titanlite.checks import check, check_context
+from titanlite.compare import relative_difference
+from titanlite.config import ConfigError, JobConfig, resolve_degrees
+from titanlite.errors import Problems
+from titanlite.parallel.context import chunk_positions
+
+
+def config(**parallelism: int) -> JobConfig:
+    cfg = JobConfig()
+    for key, value in parallelism.items():
+        setattr(cfg.parallelism, key, value)
+    return cfg
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_chunks_cover_the_sequence_once_and_balance_causal_work(cp: int) -> None:
+    seq = 16 * cp
+    shares = [chunk_positions(seq // cp, cp, r) for r in range(cp)]
+    assert sorted(torch.cat(shares).tolist()) == list(range(seq))
+    # Causal work of a rank = keys its queries see = sum of (position + 1): equal for all.
+    work = {int((share + 1).sum()) for share in shares}
+    assert len(work) == 1
+    # One early and one late chunk: rank 0 holds the first and the last.
+    assert shares[0][0] == 0 and shares[0][-1] == seq - 1
+
+
+def test_degrees_include_the_context_dimension() -> None:
+    d = resolve_degrees(config(context_parallel_degree=2, tensor_parallel_degree=2), 8)
+    assert (d.dp_shard, d.cp, d.tp, d.loss, d.fsdp) == (2, 2, 2, 4, 4)
+    assert d.describe() == "dp_shard=2 x cp=2 x tp=2"
+    with pytest.raises(ConfigError, match=r"not divisible by data_parallel_replicate_degree x "
+                       r"context_parallel_degree x tensor_parallel_degree = 1 x 4 x 1"):  # fmt: skip
+        resolve_degrees(config(context_parallel_degree=4), 6)
+    with pytest.raises(ConfigError, match="context_parallel_degree must be at least 1"):
+        resolve_degrees(config(context_parallel_degree=0), 2)
+
+
+@pytest.mark.parametrize(
+    ("seq", "cp", "tp", "pp", "words"),
+    [
+        (96, 2, 2, 1, None),
+        (98, 2, 1, 1, r"seq_len 98 is not divisible by 2 x context_parallel_degree x "
+                       r"tensor_parallel_degree = 2 x 2 x 1 = 4"),
+        (80, 4, 4, 1, "seq_len 80 is not divisible by .* = 2 x 4 x 4 = 32"),
+        (96, 2, 1, 2, "does not combine with pipeline parallelism"),
+    ],
+)  # fmt: skip
+def test_context_parallel_layout_checks(
+    seq: int, cp: int, tp: int, pp: int, words: str | None
+) -> None:
+    cfg = config(context_parallel_degree=cp, tensor_parallel_degree=tp,
+                 pipeline_parallel_degree=pp)  # fmt: skip
+    cfg.training.seq_len = seq
+    problems = Problems()
+    check_context(cfg, resolve_degrees(cfg, cp * tp * pp), problems)
+    if words is None:
+        assert not problems.lines
+    else:
+        with pytest.raises(ConfigError, match=words):
+            problems.raise_if_any(ConfigError)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "kv_heads"), [(2, 4), (2, 2), (4, 1)])
+def test_attention_kernel_matches_full_attention(world: int, kv_heads: int) -> None:
+    diffs = get_pool(world).run(
+        cp_scenarios.attention_matches_full, kv_heads=kv_heads, seq=8 * world
+    )
+    for rank, worst in enumerate(diffs):
+        assert max(worst.values()) < 1e-12, (rank, worst)
+
+
+def test_launcher_checks_report_the_context_parallel_problems() -> None:
+    cfg = config(context_parallel_degree=4, pipeline_parallel_degree=2)
+    cfg.training.seq_len = 100
+    with pytest.raises(ConfigError) as info:
+        check(cfg, 8)
+    lines = str(info.value).split("\n")
+    assert any("seq_len 100 is not divisible" in line for line in lines), lines
+    assert any("does not combine with pipeline parallelism" in line for line in lines), lines
+
+
+@pytest.mark.slow
+def test_validation_loss_under_context_parallelism_matches_one_process(tmp_path: Path) -> None:
+    """The held-out batches are split like the training ones: the same validation loss (and
+    token count) on cp=2 x dp_shard=2 as in one process, global batch 4."""
+    argv = [
+        "--training.steps", "2", "--validation.freq", "2", "--validation.steps", "3",
+        "--checkpoint.enable", "false", "--training.seq_len", "64", "--model.n_layers", "2",
+    ]  # fmt: skip
+    results = {}
+    for world, layout in ((1, ["--training.local_batch_size", "4"]),
+                          (4, ["--training.local_batch_size", "2",
+                               "--parallelism.context_parallel_degree", "2"])):  # fmt: skip
+        out = tmp_path / f"w{world}"
+        run = get_pool(world).run(
+            train_scenarios.train, argv=[*argv, *layout, "--job.dump_folder", str(out)]
+        )[0]
+        (record,) = [r for r in run["records"] if r.get("kind") == "validation"]
+        results[world] = record
+    assert results[1]["val_tokens"] == results[4]["val_tokens"] > 0
+    assert relative_difference(results[1]["val_loss"], results[4]["val_loss"]) < 1e-6

@@ -10,10 +10,13 @@ import torch.nn.functional as F
 from titanlite.parallel.context import ContextParallel
 
 
-def attention_matches_full(rank: int, world: int, kv_heads: int, seq: int) -> dict[str, float]:
+def attention_matches_full(
+    rank: int, world: int, kv_heads: int, seq: int, masked: bool
+) -> dict[str, float]:
     """This rank's queries against the whole sequence give the outputs and the gradients of
     queries, keys and values that full causal attention gives at this rank's positions;
-    returns the largest absolute differences."""
+    returns the largest absolute differences. ``masked``: the boolean-mask kernel other
+    devices use instead of the CPU's two-part flash kernel."""
     torch.manual_seed(0)  # the same full tensors on every rank
     batch, heads, head_dim = 2, 4, 8
     q = torch.randn(batch, heads, seq, head_dim, dtype=torch.float64, requires_grad=True)
@@ -23,7 +26,7 @@ def attention_matches_full(rank: int, world: int, kv_heads: int, seq: int) -> di
     full = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != heads)
     full.backward(upstream)
 
-    context = ContextParallel(dist.group.WORLD, world, rank)
+    context = ContextParallel(dist.group.WORLD, world, rank, masked=masked)
     mine = context.positions(seq // world, q.device)
     local = [t.detach()[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
     out = context.attention(*local)

@@ -76,10 +76,11 @@ def test_context_parallel_layout_checks(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("masked", [False, True], ids=["flash", "mask"])
 @pytest.mark.parametrize(("world", "kv_heads"), [(2, 4), (2, 2), (4, 1)])
-def test_attention_kernel_matches_full_attention(world: int, kv_heads: int) -> None:
+def test_attention_kernel_matches_full_attention(world: int, kv_heads: int, masked: bool) -> None:
     diffs = get_pool(world).run(
-        cp_scenarios.attention_matches_full, kv_heads=kv_heads, seq=8 * world
+        cp_scenarios.attention_matches_full, kv_heads=kv_heads, seq=8 * world, masked=masked
     )
     for rank, worst in enumerate(diffs):
         assert max(worst.values()) < 1e-12, (rank, worst)

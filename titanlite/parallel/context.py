@@ -46,6 +46,65 @@ class _GatherSequence(torch.autograd.Function):
         return out, None
 
 
+def chunk_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: bool = False
+) -> torch.Tensor:
+    """Attention of the queries of the sequence's last ``c = q.shape[2]`` positions over the
+    ``end = k.shape[2]`` keys up to them: keys before ``end - c`` are all visible, the last
+    ``c`` causally (query i sees key end - c + i and those before). On the CPU by the flash
+    kernel in two parts; elsewhere, or ``masked``, through a boolean mask."""
+    c, end = q.shape[2], k.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    if end == c:  # the sequence's first chunk: plain causal attention
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if q.device.type == "cpu" and not masked:
+        return _PrefixAttention.apply(q, k, v)
+    # A boolean mask: correct on every backend, but the kernels keep a c x end float mask
+    # per layer for backward (1 GiB per layer at 32K tokens and cp 2).
+    keys_at = torch.arange(end, device=q.device)
+    mask = keys_at[None, :] <= (end - c + torch.arange(c, device=q.device))[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class _PrefixAttention(torch.autograd.Function):
+    """``chunk_attention`` on the CPU without a mask: the flash kernel (which keeps only the
+    output and the log-sum-exp of each query) over the visible prefix and, causally, over the
+    chunk itself, the two merged by their log-sum-exps. Backward runs the kernel's backward
+    on each part with the merged output and log-sum-exp, which gives each part's exact share
+    of the gradients."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        split = k.shape[2] - q.shape[2]
+        out_prefix, lse_prefix = _flash_cpu(q, k[:, :, :split], v[:, :, :split], 0.0, False)
+        out_diag, lse_diag = _flash_cpu(q, k[:, :, split:], v[:, :, split:], 0.0, True)
+        lse = torch.logaddexp(lse_prefix, lse_diag)
+        wide = torch.promote_types(q.dtype, torch.float32)  # merge bf16 parts in float32
+        out = (
+            out_prefix.to(wide) * torch.exp(lse_prefix - lse).unsqueeze(-1)
+            + out_diag.to(wide) * torch.exp(lse_diag - lse).unsqueeze(-1)
+        ).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:  # noqa: ANN001
+        q, k, v, out, lse = ctx.saved_tensors
+        split = k.shape[2] - q.shape[2]
+        grad = grad.contiguous()
+        dq_p, dk_p, dv_p = _flash_cpu_backward(
+            grad, q, k[:, :, :split], v[:, :, :split], out, lse, 0.0, False
+        )
+        dq_d, dk_d, dv_d = _flash_cpu_backward(
+            grad, q, k[:, :, split:], v[:, :, split:], out, lse, 0.0, True
+        )
+        return dq_p + dq_d, torch.cat([dk_p, dk_d], dim=2), torch.cat([dv_p, dv_d], dim=2)
+
+
 def chunk_positions(local_len: int, cp: int, rank: int) -> torch.Tensor:
     """Positions in the whole sequence (cp x local_len tokens) of cp rank ``rank``'s tokens:
     chunk ``rank`` then chunk ``2 cp - 1 - rank``."""
@@ -60,8 +119,9 @@ def chunk_positions(local_len: int, cp: int, rank: int) -> torch.Tensor:
 class ContextParallel:
     """This rank's part of the cp group: the split of sequences and the attention over it."""
 
-    def __init__(self, group: dist.ProcessGroup, degree: int, rank: int):
+    def __init__(self, group: dist.ProcessGroup, degree: int, rank: int, masked: bool = False):
         self.group, self.degree, self.rank = group, degree, rank
+        self.masked = masked  # the boolean-mask kernel on the CPU too (tests compare both)
         self._cache: dict[tuple[str, int, torch.device], torch.Tensor] = {}
 
     def _cached(self, kind: str, n: int, device: torch.device) -> torch.Tensor:
@@ -103,24 +163,12 @@ class ContextParallel:
         kv = kv.index_select(0, self._cache["order", local, kv.device])
         keys, values = kv.permute(1, 2, 3, 0, 4)
         c = local // 2
-        gqa = q.shape[1] != k.shape[1]
         outs = []
         for i, chunk in enumerate((self.rank, 2 * self.degree - 1 - self.rank)):
-            start, end = chunk * c, (chunk + 1) * c
-            # Query i (position start + i) sees keys 0 .. start + i; the sequence's first
-            # chunk is plain causal attention.
-            mask = None
-            if start > 0:
-                keys_at = torch.arange(end, device=q.device)
-                mask = keys_at[None, :] <= (start + torch.arange(c, device=q.device))[:, None]
+            end = (chunk + 1) * c  # this chunk and every key before it
             outs.append(
-                F.scaled_dot_product_attention(
-                    q[:, :, i * c : (i + 1) * c],
-                    keys[:, :, :end],
-                    values[:, :, :end],
-                    attn_mask=mask,
-                    is_causal=mask is None,
-                    enable_gqa=gqa,
+                chunk_attention(
+                    q[:, :, i * c : (i + 1) * c], keys[:, :, :end], values[:, :, :end], self.masked
                 )
             )
         return torch.cat(outs, dim=2)

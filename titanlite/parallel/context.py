@@ -8,12 +8,17 @@ the trainer sums over the loss mesh (batch x cp) like any other.
 
 Attention needs each query's whole causal prefix. This rank's keys and values are
 all-gathered over the cp group (one collective per layer for both; its backward
-reduce-scatters their gradients, summing what every rank's queries contributed), put in
-sequence order, and each local chunk attends to the prefix that ends with it through a
-boolean mask on PyTorch's scaled_dot_product_attention. Gathering, not a ring exchange: with
-grouped-query attention the keys and values are a fraction of the activations, one
-collective per layer overlaps nothing but has no per-step latency chain, and it runs the same
-on gloo and NCCL; docs/context_parallel.md has the measured memory and time.
+reduce-scatters their gradients, summing what every rank's queries contributed) and put in
+sequence order; each local chunk then attends to the prefix that ends with it
+(``chunk_attention``). On the CPU that is the flash kernel twice, over the fully visible keys
+and causally over the chunk's own, merged by log-sum-exp, so no mask is ever built; other
+devices use a boolean mask on scaled_dot_product_attention (correct, but the kernels keep it
+for backward: chunk x prefix bytes per layer).
+
+Gathering, not a ring exchange: with grouped-query attention the keys and values are a small
+part of the activations (measured in docs/context_parallel.md), one collective per layer for
+both costs a few percent of the step, and it runs the same on gloo and NCCL without the
+send/receive pairing and per-hop latency chain of a ring.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ test_parity.py, resume across CP degrees in test_resume_layouts.py."""
 
 from __future__ import annotations
 
+import json
+import random
 from pathlib import Path
 
 import cp_scenarios
@@ -86,6 +88,17 @@ def test_attention_kernel_matches_full_attention(world: int, kv_heads: int, mask
         assert max(worst.values()) < 1e-12, (rank, worst)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_attention_kernel_with_documents_matches_a_block_causal_mask(world: int) -> None:
+    diffs = get_pool(world).run(
+        cp_scenarios.attention_matches_full, kv_heads=2, seq=8 * world, masked=False,
+        documents=True,
+    )  # fmt: skip
+    for rank, worst in enumerate(diffs):
+        assert max(worst.values()) < 1e-12, (rank, worst)
+
+
 def test_launcher_checks_report_the_context_parallel_problems() -> None:
     cfg = config(context_parallel_degree=4, pipeline_parallel_degree=2)
     cfg.training.seq_len = 100
@@ -116,3 +129,48 @@ def test_validation_loss_under_context_parallelism_matches_one_process(tmp_path:
         results[world] = record
     assert results[1]["val_tokens"] == results[4]["val_tokens"] > 0
     assert relative_difference(results[1]["val_loss"], results[4]["val_loss"]) < 1e-6
+
+
+def short_documents(path: Path, n: int = 400) -> Path:
+    """A JSONL file of n short documents (5-40 words), so that most 64-token windows hold
+    several documents and their boundaries."""
+    rng = random.Random(0)
+    words = "the nation congress people state union year government new world law".split()
+    lines = [
+        json.dumps({"text": " ".join(rng.choices(words, k=rng.randint(5, 40))).capitalize()})
+        for _ in range(n)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.slow
+def test_document_masking_under_context_parallelism_matches_one_process(tmp_path: Path) -> None:
+    """training.document_mask (and restarted positions) on cp=2, 8 steps, global batch 8:
+    the one-process masked losses to float32 round-off, and visibly unlike unmasked ones."""
+    data = short_documents(tmp_path / "docs.jsonl")
+    argv = [
+        "--training.steps", "8", "--metrics.log_freq", "1", "--validation.enable", "false",
+        "--checkpoint.enable", "false", "--training.seq_len", "64", "--model.n_layers", "2",
+        "--training.local_batch_size", "8", "--training.dataset_path", str(data),
+    ]  # fmt: skip
+    masked = ["--training.document_mask", "true", "--training.document_positions", "true"]
+    runs = {}
+    for name, world, extra in (
+        ("one", 1, masked),
+        ("cp2", 2, [*masked, "--parallelism.context_parallel_degree", "2"]),
+        ("unmasked", 1, []),
+    ):
+        out = tmp_path / name
+        run = get_pool(world).run(
+            train_scenarios.train, argv=[*argv, *extra, "--job.dump_folder", str(out)]
+        )[0]
+        runs[name] = [r["loss"] for r in run["records"] if "loss" in r]
+    assert len(runs["one"]) == len(runs["cp2"]) == 8
+    worst = max(relative_difference(a, b) for a, b in zip(runs["one"], runs["cp2"], strict=True))
+    assert worst < 1e-6, (worst, runs)
+    changed = max(
+        relative_difference(a, b) for a, b in zip(runs["one"], runs["unmasked"], strict=True)
+    )
+    assert changed > 1e-4, runs
+    print(f"document mask, cp=2 vs 1 process: {worst:.2g}; masked vs unmasked: {changed:.2g}")

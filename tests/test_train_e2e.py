@@ -74,7 +74,12 @@ def _losses(folder: Path) -> list[float]:
 def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path: Path) -> None:
     """Through the launcher (torchrun for 2 processes, none for 1); every other layout and
     accumulation is compared in tests/test_parity.py on the worker pool."""
-    common = ["--training.steps", "8", "--metrics.log_freq", "1", "--validation.enable", "false"]
+    common = [
+        "--training.steps", "8", "--metrics.log_freq", "1", "--validation.enable", "false",
+        # test_parity's tiny model: what this test is about is the launch, not the compute.
+        "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4",
+        "--model.n_kv_heads", "4", "--model.multiple_of", "32", "--training.seq_len", "64",
+    ]  # fmt: skip
     one, two = tmp_path / "one", tmp_path / "two"
     r1 = run_train(tmp_path, *common, "--job.dump_folder", str(one))
     r2 = run_train(

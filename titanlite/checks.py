@@ -127,6 +127,24 @@ def check(cfg: JobConfig, world_size: int) -> Tokenizer | None:
             f"parallelism.tensor_parallel_degree {degrees.tp} does not divide training.seq_len "
             f"{cfg.training.seq_len} (sequence parallelism splits the sequence)"
         )
+    t = cfg.training
+    if t.document_positions and not t.document_mask:
+        problems.add("training.document_positions needs training.document_mask = true")
+    if t.document_mask and degrees and degrees.pp > 1:
+        problems.add(
+            "training.document_mask does not combine with pipeline parallelism yet; set "
+            "parallelism.pipeline_parallel_degree to 1"
+        )
+    if t.document_mask and cfg.compile.enable:
+        problems.add(
+            "training.document_mask does not combine with compile.enable yet (blocks compile "
+            "as whole graphs, and the split by document depends on the data)"
+        )
+    if t.document_mask and tokenizer is not None and tokenizer.bos_id < 0 and tokenizer.eos_id < 0:
+        problems.add(
+            "training.document_mask: the tokenizer has neither a BOS nor an EOS token to find "
+            "document boundaries by"
+        )
     path = resolve_path(cfg.training.dataset_path)
     if path and not os.path.exists(path):
         problems.add(f"training.dataset_path: {path!r} does not exist")

@@ -34,7 +34,7 @@ from titanlite.metrics import MetricsLogger, format_duration, model_state_bytes,
 from titanlite.models.layers import count_params
 from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from titanlite.parallel.dims import ParallelDims
-from titanlite.parallel.parallelize import parallelize
+from titanlite.parallel.parallelize import DocumentMask, parallelize
 from titanlite.parallel.pipeline import tied_copy
 from titanlite.profiling import profiling
 from titanlite.run_info import StartupClock, StepLogger, write_run_files
@@ -107,6 +107,10 @@ class Trainer:
             init_weights=not will_load_weights(cfg.checkpoint, checkpoint_folder),
             loss_sum=cross_entropy_sum,
         )  # fmt: skip
+        if t.document_mask:
+            self.model.documents = DocumentMask(
+                self.tokenizer.bos_id, self.tokenizer.eos_id, t.document_positions
+            )
         self.params = [p for part in self.model.parts for p in part.parameters() if p.requires_grad]
         # Under pipeline parallelism each rank holds some stages: norms add up over pp.
         self.stage_group = self.dims.group("pp") if degrees.pp > 1 else None
@@ -169,7 +173,7 @@ class Trainer:
             while self.state.step < total:
                 self.state.step += 1
                 t0 = time.perf_counter()
-                # This rank's share: under context parallelism, its chunks of each sequence.
+                # What this rank uses: under context parallelism its chunks of the labels.
                 batches = [
                     self.model.local_batch(*next(self.train_iter)) for _ in range(self.accum_steps)
                 ]
@@ -178,7 +182,7 @@ class Trainer:
                     loss, n_tokens, grad_norm = self.train_step(batches)
                 if self.state.step == first_step:
                     self.step_logger.startup_done(self.startup)
-                window_tokens += sum(x.numel() for x, _ in batches)
+                window_tokens += sum(y.numel() for _, y in batches)  # this rank's tokens
                 self.state.tokens_seen += n_tokens
 
                 step = self.state.step

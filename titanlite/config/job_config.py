@@ -119,6 +119,10 @@ class Training:
     """Hub dataset configuration name (e.g. "en" for allenai/c4)."""
     text_field: str = "text"
     """Field/column holding the text in json and parquet rows."""
+    document_mask: bool = False
+    """Attention stays within each document of a packed window (block-causal): a token sees only the earlier tokens of its own document. Documents start at the tokenizer's BOS (without one, after its EOS)."""
+    document_positions: bool = False
+    """With document_mask: RoPE positions restart at 0 at each document's first token."""
     mixed_precision_param: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype of parameters in forward/backward (FSDP casts its gathered shards; other layouts use autocast). Master weights stay float32."""
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"

@@ -4,7 +4,8 @@ Module names follow Meta's Llama checkpoints (tok_embeddings, layers.N.attention
 feed_forward.w1/w2/w3, norm, output); the families' specs address them through these names.
 The modules know nothing about parallelism: attention infers its local head count from the
 projection's output, so column-sharded projections just work, and its kernel
-(``CausalAttention``) is the one place context parallelism hooks into.
+(``CausalAttention``, models/attention.py) is the one place context parallelism and document
+masking hook into.
 
 A family's args object provides dim, n_layers, n_heads, kv_heads, head_dim, ffn_hidden_dim,
 vocab_size, norm_eps, rope_theta, max_seq_len, tie_embeddings, and the class constants
@@ -19,6 +20,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from titanlite.models.attention import CausalAttention
 
 
 class RMSNorm(nn.Module):
@@ -45,56 +48,44 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
     return torch.stack([angles.cos(), angles.sin()], dim=-1).float()
 
 
+def _table_for(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The rows of a RoPE table that x [batch, seq, heads, head_dim] needs, with a heads axis:
+    [seq, 1, head_dim/2, 2] from the whole table (positions 0, 1, ...), or [batch, seq, 1,
+    head_dim/2, 2] from a table already indexed by per-sequence positions."""
+    if table.dim() == 3:
+        table = table[: x.shape[1]]
+    return table.float().unsqueeze(-3)
+
+
 def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Rotate interleaved pairs (x0, x1) of x [batch, seq, heads, head_dim], as Meta's Llama."""
-    seq = x.shape[1]
-    table = table[:seq].float()
+    table = _table_for(x, table)
     if torch.compiler.is_compiling():
         # Written out in real numbers, inductor fuses the rotation into one kernel; it has no
         # complex kernels and would call back into eager code for a complex product.
         pairs = x.float().unflatten(-1, (-1, 2))
-        cos, sin = table[:, None, :, 0], table[:, None, :, 1]
+        cos, sin = table[..., 0], table[..., 1]
         x0, x1 = pairs[..., 0], pairs[..., 1]
         rotated = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
         return rotated.flatten(-2).type_as(x)
     # Eager: as complex numbers (x0 + i x1) * (cos + i sin), one kernel each way; faster on a
     # CPU than the four products above (and bitwise equal to them; docs/performance.md).
     pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())
-    rotation = torch.view_as_complex(table.contiguous()).unsqueeze(1)
+    rotation = torch.view_as_complex(table.contiguous())
     return torch.view_as_real(pairs * rotation).flatten(-2).type_as(x)
 
 
 def apply_rope_halves(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Rotate (x_i, x_{i + head_dim/2}) pairs of x [batch, seq, heads, head_dim], as Hugging
     Face's rotate_half (Qwen3 checkpoints are trained this way)."""
-    table = table[: x.shape[1]].float()
-    cos, sin = table[:, None, :, 0], table[:, None, :, 1]
+    table = _table_for(x, table)
+    cos, sin = table[..., 0], table[..., 1]
     first, second = x.float().chunk(2, dim=-1)
     rotated = torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
     return rotated.type_as(x)
 
 
 _ROPE = {"interleaved": apply_rope, "halves": apply_rope_halves}
-
-
-class CausalAttention(nn.Module):
-    """The attention kernel on [batch, heads, seq, head_dim] queries, keys and values: causal
-    scaled dot-product attention (grouped-query when keys have fewer heads).
-
-    No parameters. Context parallelism sets ``context`` (an object with an ``attention(q, k,
-    v)`` method) when the local sequence is this rank's share of a longer one.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.context: Any = None
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if self.context is not None:
-            return self.context.attention(q, k, v)
-        return F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
-        )
 
 
 class Attention(nn.Module):
@@ -113,8 +104,11 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.kernel = CausalAttention()
 
-    def forward(self, x: torch.Tensor, *, rope: torch.Tensor) -> torch.Tensor:
-        # rope is keyword-only: tensor-parallel input styles redistribute positional inputs.
+    def forward(
+        self, x: torch.Tensor, *, rope: torch.Tensor, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        # rope and documents are keyword-only: tensor-parallel input styles redistribute
+        # positional inputs.
         bsz, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds only its share of heads.
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
@@ -123,7 +117,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotate(q, rope), self.rotate(k, rope)
-        out = self.kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        out = self.kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), documents)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -146,8 +140,10 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope=rope)
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope=rope, documents=documents)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -173,17 +169,24 @@ class Decoder(nn.Module):
         rope = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
         self.register_buffer("rope", rope.to(torch.empty(0).device), persistent=False)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Token ids -> logits; a pipeline stage (some modules set to None) maps its input
         (ids, or the hidden states of the stage before) to its output the same way.
 
-        ``positions`` [seq] are the tokens' places in the sequence when they are not 0, 1, ...
-        (a context-parallel rank holds chunks of a longer sequence); RoPE rotates by them.
+        ``positions`` ([seq], or [batch, seq]) are the tokens' RoPE positions when they are
+        not 0, 1, ... (a context-parallel rank holds chunks of a longer sequence; positions
+        may restart at each document). ``documents`` [batch, whole seq] (document numbers,
+        see ``attention.document_ids``) makes attention block-causal within documents.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         rope = self.rope if positions is None else self.rope[positions]
         for layer in self.layers.values():
-            h = layer(h, rope)
+            h = layer(h, rope, documents=documents)
         if self.output is None:
             return h
         return self.output(self.norm(h)).float()

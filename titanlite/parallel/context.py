@@ -25,10 +25,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from titanlite.models.layers import CausalAttention
+from titanlite.models.attention import CausalAttention, chunk_attention, document_attention
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -49,65 +48,6 @@ class _GatherSequence(torch.autograd.Function):
         out = grad.new_empty((grad.shape[0] // world, *grad.shape[1:]))
         dist.reduce_scatter_single(out, grad.contiguous(), group=ctx.group)
         return out, None
-
-
-def chunk_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: bool = False
-) -> torch.Tensor:
-    """Attention of the queries of the sequence's last ``c = q.shape[2]`` positions over the
-    ``end = k.shape[2]`` keys up to them: keys before ``end - c`` are all visible, the last
-    ``c`` causally (query i sees key end - c + i and those before). On the CPU by the flash
-    kernel in two parts; elsewhere, or ``masked``, through a boolean mask."""
-    c, end = q.shape[2], k.shape[2]
-    gqa = q.shape[1] != k.shape[1]
-    if end == c:  # the sequence's first chunk: plain causal attention
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    if q.device.type == "cpu" and not masked:
-        return _PrefixAttention.apply(q, k, v)
-    # A boolean mask: correct on every backend, but the kernels keep a c x end float mask
-    # per layer for backward (1 GiB per layer at 32K tokens and cp 2).
-    keys_at = torch.arange(end, device=q.device)
-    mask = keys_at[None, :] <= (end - c + torch.arange(c, device=q.device))[:, None]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-
-
-_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-
-
-class _PrefixAttention(torch.autograd.Function):
-    """``chunk_attention`` on the CPU without a mask: the flash kernel (which keeps only the
-    output and the log-sum-exp of each query) over the visible prefix and, causally, over the
-    chunk itself, the two merged by their log-sum-exps. Backward runs the kernel's backward
-    on each part with the merged output and log-sum-exp, which gives each part's exact share
-    of the gradients."""
-
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
-        split = k.shape[2] - q.shape[2]
-        out_prefix, lse_prefix = _flash_cpu(q, k[:, :, :split], v[:, :, :split], 0.0, False)
-        out_diag, lse_diag = _flash_cpu(q, k[:, :, split:], v[:, :, split:], 0.0, True)
-        lse = torch.logaddexp(lse_prefix, lse_diag)
-        wide = torch.promote_types(q.dtype, torch.float32)  # merge bf16 parts in float32
-        out = (
-            out_prefix.to(wide) * torch.exp(lse_prefix - lse).unsqueeze(-1)
-            + out_diag.to(wide) * torch.exp(lse_diag - lse).unsqueeze(-1)
-        ).to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:  # noqa: ANN001
-        q, k, v, out, lse = ctx.saved_tensors
-        split = k.shape[2] - q.shape[2]
-        grad = grad.contiguous()
-        dq_p, dk_p, dv_p = _flash_cpu_backward(
-            grad, q, k[:, :, :split], v[:, :, :split], out, lse, 0.0, False
-        )
-        dq_d, dk_d, dv_d = _flash_cpu_backward(
-            grad, q, k[:, :, split:], v[:, :, split:], out, lse, 0.0, True
-        )
-        return dq_p + dq_d, torch.cat([dk_p, dk_d], dim=2), torch.cat([dv_p, dv_d], dim=2)
 
 
 def chunk_positions(local_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -158,9 +98,13 @@ class ContextParallel:
             )
         return batch[:, self.positions(seq // self.degree, batch.device)]
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        documents: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """Causal attention of this rank's queries [batch, heads, local, head_dim] over the
-        whole sequence's keys and values (gathered from the cp group)."""
+        whole sequence's keys and values (gathered from the cp group); block-causal within
+        documents when given the whole sequence's ``documents`` [batch, seq]."""
         local = q.shape[2]
         # One collective for keys and values: [2, b, h, s, d] -> seq first -> gather.
         kv = torch.stack([k, v]).permute(3, 0, 1, 2, 4)
@@ -168,14 +112,18 @@ class ContextParallel:
         kv = kv.index_select(0, self._cache["order", local, kv.device])
         keys, values = kv.permute(1, 2, 3, 0, 4)
         c = local // 2
-        outs = []
-        for i, chunk in enumerate((self.rank, 2 * self.degree - 1 - self.rank)):
-            end = (chunk + 1) * c  # this chunk and every key before it
-            outs.append(
-                chunk_attention(
-                    q[:, :, i * c : (i + 1) * c], keys[:, :, :end], values[:, :, :end], self.masked
-                )
-            )
+        chunks = [(i * c, c) for i in (self.rank, 2 * self.degree - 1 - self.rank)]
+        if documents is not None:
+            return document_attention(q, keys, values, documents, chunks, self.masked)
+        outs = [
+            chunk_attention(
+                q[:, :, n * c : (n + 1) * c],
+                keys[:, :, : first + c],
+                values[:, :, : first + c],
+                self.masked,
+            )  # fmt: skip
+            for n, (first, _) in enumerate(chunks)
+        ]
         return torch.cat(outs, dim=2)
 
 

@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from titanlite.config import JobConfig
 from titanlite.config.layout import pipeline_plan
+from titanlite.models.attention import document_ids, document_positions
 from titanlite.models.spec import ModelSpec
 from titanlite.parallel.blocks import apply_ac, apply_compile
 from titanlite.parallel.context import ContextParallel, apply_cp
@@ -41,6 +42,20 @@ from titanlite.parallel.pipeline import Pipeline, split_stage, tied_copy, tied_s
 from titanlite.parallel.tensor import apply_tp
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DocumentMask:
+    """training.document_mask: attention stays within the documents of a packed window, found
+    by the tokenizer's BOS (or, without one, after its EOS); ``reset_positions`` restarts RoPE
+    positions at each document."""
+
+    bos_id: int
+    eos_id: int
+    reset_positions: bool = False
+
+    def ids(self, tokens: torch.Tensor) -> torch.Tensor:
+        return document_ids(tokens, self.bos_id, self.eos_id)
 
 
 @dataclass
@@ -62,22 +77,36 @@ class ParallelModel:
     materialize_stats: dict[str, float] = field(default_factory=dict)
     pipeline: Pipeline | None = None
     context: ContextParallel | None = None
+    documents: DocumentMask | None = None
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits of this rank's tokens from whole sequences [batch, seq] of ids: under
+        context parallelism the call keeps this rank's chunks itself (document boundaries and
+        positions come from the whole sequence), so its logits pair with ``local_batch``'s
+        labels."""
         if self.pipeline is not None:
             raise RuntimeError("a pipelined model runs through its pipeline, not a call")
+        positions = documents = None
+        if self.documents is not None:
+            documents = self.documents.ids(tokens)
+            if self.documents.reset_positions:
+                positions = document_positions(documents)
         if self.context is not None:
-            positions = self.context.positions(tokens.shape[1], tokens.device)
-            return self.modules[0](tokens, positions=positions)
-        return self.modules[0](tokens)
+            mine = self.context.positions(tokens.shape[1] // self.context.degree, tokens.device)
+            tokens = tokens[:, mine]
+            positions = mine if positions is None else positions[:, mine]
+        if positions is None and documents is None:
+            return self.modules[0](tokens)
+        return self.modules[0](tokens, positions=positions, documents=documents)
 
     def local_batch(
         self, inputs: torch.Tensor, labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's share of a [batch, seq] batch: all of it, or its context chunks."""
+        """A [batch, seq] batch as this rank uses it: the whole input sequences (the call
+        splits them) and this rank's share of the labels (its context chunks under CP)."""
         if self.context is None:
             return inputs, labels
-        return self.context.shard(inputs), self.context.shard(labels)
+        return inputs, self.context.shard(labels)
 
     @contextlib.contextmanager
     def train_context(self) -> Iterator[None]:

@@ -1,0 +1,164 @@
+"""Attention kernels on [batch, heads, seq, head_dim] queries, keys and values, and the
+document structure of packed windows.
+
+``CausalAttention`` is the kernel module every attention layer calls: causal attention, or
+block-causal within documents when given document ids, or (when context parallelism set its
+``context``) over keys gathered from other ranks. The building block of the last two is
+``chunk_attention``: a run of consecutive queries over the keys up to them, the earlier ones
+fully visible and the run's own causally; on the CPU computed without any mask.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def chunk_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: bool = False
+) -> torch.Tensor:
+    """Attention of the queries of the sequence's last ``c = q.shape[2]`` positions over the
+    ``end = k.shape[2]`` keys up to them: keys before ``end - c`` are all visible, the last
+    ``c`` causally (query i sees key end - c + i and those before). On the CPU by the flash
+    kernel in two parts; elsewhere, or ``masked``, through a boolean mask."""
+    c, end = q.shape[2], k.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    if end == c:  # the sequence's first chunk: plain causal attention
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if q.device.type == "cpu" and not masked:
+        return _PrefixAttention.apply(q, k, v)
+    # A boolean mask: correct on every backend, but the kernels keep a c x end float mask
+    # per layer for backward (1 GiB per layer at 32K tokens and cp 2).
+    keys_at = torch.arange(end, device=q.device)
+    mask = keys_at[None, :] <= (end - c + torch.arange(c, device=q.device))[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class _PrefixAttention(torch.autograd.Function):
+    """``chunk_attention`` on the CPU without a mask: the flash kernel (which keeps only the
+    output and the log-sum-exp of each query) over the visible prefix and, causally, over the
+    chunk itself, the two merged by their log-sum-exps. Backward runs the kernel's backward
+    on each part with the merged output and log-sum-exp, which gives each part's exact share
+    of the gradients."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        split = k.shape[2] - q.shape[2]
+        out_prefix, lse_prefix = _flash_cpu(q, k[:, :, :split], v[:, :, :split], 0.0, False)
+        out_diag, lse_diag = _flash_cpu(q, k[:, :, split:], v[:, :, split:], 0.0, True)
+        lse = torch.logaddexp(lse_prefix, lse_diag)
+        wide = torch.promote_types(q.dtype, torch.float32)  # merge bf16 parts in float32
+        out = (
+            out_prefix.to(wide) * torch.exp(lse_prefix - lse).unsqueeze(-1)
+            + out_diag.to(wide) * torch.exp(lse_diag - lse).unsqueeze(-1)
+        ).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:  # noqa: ANN001
+        q, k, v, out, lse = ctx.saved_tensors
+        split = k.shape[2] - q.shape[2]
+        grad = grad.contiguous()
+        dq_p, dk_p, dv_p = _flash_cpu_backward(
+            grad, q, k[:, :, :split], v[:, :, :split], out, lse, 0.0, False
+        )
+        dq_d, dk_d, dv_d = _flash_cpu_backward(
+            grad, q, k[:, :, split:], v[:, :, split:], out, lse, 0.0, True
+        )
+        return dq_p + dq_d, torch.cat([dk_p, dk_d], dim=2), torch.cat([dv_p, dv_d], dim=2)
+
+
+def document_ids(tokens: torch.Tensor, bos_id: int, eos_id: int) -> torch.Tensor:
+    """[batch, seq] ids -> [batch, seq] document numbers within each window (0, 1, ...): a
+    document starts at each BOS token, or, for a tokenizer without BOS, after each EOS."""
+    if bos_id >= 0:
+        starts = tokens == bos_id
+    else:
+        starts = torch.zeros_like(tokens, dtype=torch.bool)
+        starts[:, 1:] = tokens[:, :-1] == eos_id
+    return starts.long().cumsum(1)
+
+
+def document_positions(documents: torch.Tensor) -> torch.Tensor:
+    """[batch, seq] document numbers -> each token's position within its document."""
+    index = torch.arange(documents.shape[1], device=documents.device).expand_as(documents)
+    new = torch.ones_like(documents, dtype=torch.bool)
+    new[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    starts = torch.cummax(torch.where(new, index, 0), dim=1).values
+    return index - starts
+
+
+@torch.compiler.disable  # the split depends on the data: eager, outside compiled graphs
+def document_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    documents: torch.Tensor,
+    chunks: Sequence[tuple[int, int]],
+    masked: bool = False,
+) -> torch.Tensor:
+    """Block-causal attention: each query sees the keys of its own document at or before its
+    position. ``q`` [b, h, local, d] holds the queries of ``chunks`` ((first position, length)
+    in the sequence, in local order); ``k``, ``v`` [b, h_kv, seq, d] the keys in sequence
+    order; ``documents`` [b, seq] the document numbers. Each run of queries within one document
+    is one ``chunk_attention`` over the keys from the document's start."""
+    # One device-to-host copy per call: where each sequence's documents start.
+    changes = torch.nonzero(documents[:, 1:] != documents[:, :-1]).tolist()
+    starts: list[list[int]] = [[0] for _ in range(q.shape[0])]
+    for b, position in changes:
+        starts[b].append(position + 1)
+    outs = []
+    for b in range(q.shape[0]):
+        pieces, local = [], 0
+        for first, length in chunks:
+            end = first + length
+            inside = starts[b][bisect.bisect_right(starts[b], first) : bisect.bisect_left(
+                starts[b], end
+            )]  # fmt: skip
+            cuts = [first, *inside, end]
+            for lo, hi in itertools.pairwise(cuts):
+                doc_start = starts[b][bisect.bisect_right(starts[b], lo) - 1]
+                rows = slice(local + lo - first, local + hi - first)
+                pieces.append(chunk_attention(
+                    q[b : b + 1, :, rows], k[b : b + 1, :, doc_start:hi],
+                    v[b : b + 1, :, doc_start:hi], masked,
+                ))  # fmt: skip
+            local += length
+        outs.append(torch.cat(pieces, dim=2))
+    return torch.cat(outs, dim=0)
+
+
+class CausalAttention(nn.Module):
+    """The attention kernel: causal scaled dot-product attention (grouped-query when keys have
+    fewer heads), block-causal within documents when given ``documents`` [batch, seq].
+
+    No parameters. Context parallelism sets ``context`` (an object with an ``attention(q, k,
+    v, documents)`` method) when the local sequence is this rank's share of a longer one.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.context: Any = None
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        documents: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        if self.context is not None:
+            return self.context.attention(q, k, v, documents)
+        if documents is not None:
+            return document_attention(q, k, v, documents, [(0, q.shape[2])])
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
+        )

@@ -28,13 +28,12 @@ import os
 import platform
 import resource
 import sys
-import tempfile
 import time
 from datetime import datetime, timezone
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from bench_pipeline import save_rows, spawn_rows
 
 MIB = 2**20
 
@@ -96,20 +95,12 @@ def worker(rank: int, world: int, init_file: str, argv: list[str], warmup: int, 
         result = torch.tensor([sum(saved.values()), peak, cpu, wall, gather_s[0]])
     finally:
         trainer.close()
-    gathered = [torch.zeros(5, dtype=torch.float64) for _ in range(world)]
-    dist.all_gather(gathered, result.double())
-    if rank == 0:
-        torch.save(torch.stack(gathered), out)
-    dist.destroy_process_group()
+    save_rows(result, rank, world, out)
 
 
 def measure(world: int, argv: list[str], warmup: int) -> torch.Tensor:
     """Per rank: (activation bytes, peak RSS bytes, CPU s, wall s, gather s) of one step."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.pt")
-        argv = [*argv, "--job.dump_folder", os.path.join(tmp, "run")]
-        mp.spawn(worker, args=(world, os.path.join(tmp, "init"), argv, warmup, out), nprocs=world)
-        return torch.load(out)
+    return spawn_rows(worker, world, argv, warmup)
 
 
 def main(argv: list[str] | None = None) -> int:

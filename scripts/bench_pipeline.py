@@ -96,20 +96,31 @@ def worker(rank: int, world: int, init_file: str, argv: list[str], steps: int, o
         result = torch.tensor([statistics.median(step_s), statistics.median(bubbles), state])
     finally:
         trainer.close()
-    gathered = [torch.zeros(3, dtype=torch.float64) for _ in range(world)]
+    save_rows(result, rank, world, out)
+
+
+def save_rows(result: torch.Tensor, rank: int, world: int, out: str) -> None:
+    """Every rank's result row, gathered and saved by rank 0; then the group ends."""
+    gathered = [torch.zeros(result.numel(), dtype=torch.float64) for _ in range(world)]
     dist.all_gather(gathered, result.double())
     if rank == 0:
         torch.save(torch.stack(gathered), out)
     dist.destroy_process_group()
 
 
-def measure(world: int, argv: list[str], steps: int) -> torch.Tensor:
-    """Per rank: (median step seconds, median bubble fraction, model-state bytes)."""
+def spawn_rows(worker, world: int, argv: list[str], extra: int) -> torch.Tensor:  # noqa: ANN001
+    """Run ``worker(rank, world, init_file, argv, extra, out)`` on ``world`` gloo processes
+    (their dump folder a temporary one); the rows they saved with ``save_rows``."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.pt")
         argv = [*argv, "--job.dump_folder", os.path.join(tmp, "run")]
-        mp.spawn(worker, args=(world, os.path.join(tmp, "init"), argv, steps, out), nprocs=world)
+        mp.spawn(worker, args=(world, os.path.join(tmp, "init"), argv, extra, out), nprocs=world)
         return torch.load(out)
+
+
+def measure(world: int, argv: list[str], steps: int) -> torch.Tensor:
+    """Per rank: (median step seconds, median bubble fraction, model-state bytes)."""
+    return spawn_rows(worker, world, argv, steps)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from test_data import make_docs, write_jsonl
 
 from titanlite.data import DEFAULT_TOKENIZER_PATH, DataSpec, Tokenizer, load_tokenizer
@@ -116,3 +117,68 @@ def test_an_empty_source_says_so(tmp_path, tok):
     with pytest.raises(UserError, match="no documents in"):
         pretokenize(DataSpec(dataset_path=str(source)), tok, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_window_permutation_is_a_bijection():
+    from titanlite.data.token_loader import permute
+
+    for n in (1, 2, 3, 7, 64, 1000, 4097):
+        out = permute(np.arange(n), n, key=12345)
+        assert sorted(out.tolist()) == list(range(n))
+    assert not np.array_equal(permute(np.arange(1000), 1000, 1), np.arange(1000))
+    assert not np.array_equal(permute(np.arange(1000), 1000, 1), permute(np.arange(1000), 1000, 2))
+
+
+def test_loader_global_batches_and_resume_do_not_depend_on_the_layout(tmp_path, tok, spec):
+    from titanlite.data import build_dataloader
+
+    out = tmp_path / "tokens"
+    pretokenize(spec, tok, out, shard_tokens=500, progress=False)
+    folder_spec = DataSpec(dataset_path=str(out), seq_len=16, local_batch_size=8)
+    one = build_dataloader(tok, folder_spec, 0, 1)
+    steps = 12
+    reference = [next(one)[0] for _ in range(steps)]
+    four_spec = DataSpec(dataset_path=str(out), seq_len=16, local_batch_size=2)
+    ranks = [build_dataloader(tok, four_spec, r, 4) for r in range(4)]
+    for step in range(5):
+        got = torch.cat([next(r)[0] for r in ranks])
+        assert torch.equal(got, reference[step])
+    # Saved on 4 ranks after 5 steps, resumed on 2.
+    two_spec = DataSpec(dataset_path=str(out), seq_len=16, local_batch_size=4)
+    resumed = [build_dataloader(tok, two_spec, r, 2) for r in range(2)]
+    for loader in resumed:
+        loader.load_state_dict(ranks[0].state_dict())
+    for step in range(5, steps):
+        assert torch.equal(torch.cat([next(r)[0] for r in resumed]), reference[step])
+    # Windows are whole, shuffled pieces of the train stream.
+    stream = TokenFolder(out, "train").read(0, TokenFolder(out, "train").num_tokens)
+    first = reference[0][0].numpy()
+    starts = [
+        i for i in range(0, stream.size - 17, 17) if np.array_equal(stream[i : i + 16], first)
+    ]
+    assert starts and starts != [0]
+
+    # Another tokenizer: one line naming both.
+    other = load_tokenizer(DEFAULT_TOKENIZER_PATH)
+    other.fingerprint = "0" * 16
+    with pytest.raises(UserError, match="another tokenizer"):
+        build_dataloader(other, folder_spec, 0, 1)
+
+
+def test_validation_pass_covers_the_held_out_tokens_once(tmp_path, tok, spec):
+    from titanlite.data import IGNORE_INDEX, build_dataloader
+
+    out = tmp_path / "tokens"
+    pretokenize(spec, tok, out, shard_tokens=500, progress=False)
+    folder = TokenFolder(out, "validation")
+    loader = build_dataloader(
+        tok, DataSpec(dataset_path=str(out), seq_len=16, local_batch_size=4), 0, 1, "validation"
+    )
+    labels = torch.cat([lab.flatten() for _, lab in loader])
+    real = labels[labels != IGNORE_INDEX]
+    n = folder.num_tokens
+    full = (n // 17) // 4 * 4  # windows in whole global batches of 4
+    rest = n - full * 17
+    tail = sum(min(17, rest - at) - 1 for at in range(0, rest - 1, 17))
+    assert real.numel() == full * 16 + tail > 0
+    assert torch.equal(real[:16], torch.from_numpy(folder.read(1, 16)))

@@ -264,5 +264,12 @@ def build_dataloader(
     split: Split = "train",
     prefetch: bool = True,
 ) -> PackedLoader:
-    """The loader for ``split`` as seen by data-parallel rank ``dp_rank`` of ``dp_world_size``."""
+    """The loader for ``split`` as seen by data-parallel rank ``dp_rank`` of ``dp_world_size``
+    (over a pre-tokenized folder when ``spec.dataset_path`` is one)."""
+    from titanlite.data.tokens import is_token_folder
+
+    if is_token_folder(spec.dataset_path):
+        from titanlite.data.token_loader import TokenLoader
+
+        return TokenLoader(tokenizer, spec, dp_rank, dp_world_size, split)  # type: ignore[return-value]
     return PackedLoader(tokenizer, spec, dp_rank, dp_world_size, split, prefetch)

@@ -1,0 +1,168 @@
+"""Batches from a pre-tokenized folder (titanlite.data.tokens), read by each rank for itself.
+
+A split's tokens are cut into W non-overlapping windows of seq_len + 1 tokens. Global window k
+(all ranks together, in order) is window ``permute(k mod W)`` of epoch ``k div W``, where the
+permutation is a seeded Feistel network over the window numbers (a bijection computed per
+index: no O(W) array). A step takes the next local_batch_size * dp windows and rank r reads
+only its own local_batch_size of them from the memory-mapped shards, so a rank's cost per
+batch does not depend on the data-parallel degree or the dataset's size. The saved position
+is one integer (windows consumed), valid under any data-parallel degree. Validation reads the
+windows in order, one finite pass, the partial end padded as in the text loader.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from titanlite.data.spec import SPLITS, DataSpec, Split
+from titanlite.data.tokenizer import Tokenizer
+from titanlite.data.tokens import TokenFolder
+from titanlite.errors import UserError
+
+STATE_FORMAT = 1
+_ROUNDS = 4
+_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer on uint64 arrays (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def permute(index: np.ndarray, n: int, key: int) -> np.ndarray:
+    """A keyed pseudo-random bijection of [0, n), applied to each element of ``index``."""
+    if n <= 1:
+        return np.zeros_like(index, dtype=np.int64)
+    half = max(1, ((n - 1).bit_length() + 1) // 2)
+    low = np.uint64((1 << half) - 1)
+    keys = _mix(np.arange(1, _ROUNDS + 1, dtype=np.uint64) + np.uint64(key % (1 << 63)))
+    x = index.astype(np.uint64)
+    todo = np.ones(x.shape, dtype=bool)
+    while todo.any():  # cycle-walking: the domain 2^(2 half) < 4n, so a few passes at most
+        y = x[todo]
+        left, right = y >> np.uint64(half), y & low
+        for k in keys:
+            left, right = right, left ^ (_mix(right ^ k) & low)
+        y = (left << np.uint64(half)) | right
+        x[todo] = y
+        todo[todo] = y >= np.uint64(n)
+    return x.astype(np.int64)
+
+
+class TokenLoader:
+    """Iterable of ``(inputs, labels)`` LongTensors ``[local_batch_size, seq_len]`` (the
+    PackedLoader interface), over a folder written by scripts/pretokenize.py."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, spec: DataSpec, dp_rank: int, dp_world_size: int, split: Split
+    ) -> None:
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        if dp_world_size < 1 or not 0 <= dp_rank < dp_world_size:
+            raise ValueError(f"need 0 <= dp_rank < dp_world_size, got {dp_rank}, {dp_world_size}")
+        self.folder = TokenFolder(spec.dataset_path, split)
+        if self.folder.meta["tokenizer"] != tokenizer.fingerprint:
+            raise UserError(
+                f"{spec.dataset_path} was tokenized with another tokenizer "
+                f"({self.folder.meta['tokenizer_path']}, fingerprint {self.folder.meta['tokenizer']}) "
+                f"than {str(tokenizer.path)!r}; use that tokenizer or pretokenize again"
+            )
+        self.spec, self.split = spec, split
+        self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
+        self.window = spec.seq_len + 1
+        self.num_windows = self.folder.num_tokens // self.window
+        self.chunk = spec.local_batch_size * dp_world_size
+        if split == "train" and self.num_windows < self.chunk:
+            raise UserError(
+                f"{spec.dataset_path}: the train split has {self.folder.num_tokens:,} tokens, "
+                f"fewer than one global batch ({self.chunk} windows of {self.window})"
+            )
+        if self.folder.num_tokens < 2:
+            raise UserError(f"{spec.dataset_path}: the {split} split has no tokens")
+        self.infinite = spec.infinite and split == "train"
+        pad = tokenizer.pad_id if tokenizer.pad_id >= 0 else max(tokenizer.eos_id, 0)
+        self._input_pad_id = pad
+        self._windows_consumed = 0
+
+    def close(self) -> None:
+        pass
+
+    def __iter__(self) -> TokenLoader:
+        if self.split == "validation":
+            self._windows_consumed = 0
+        return self
+
+    def _window_ids(self, first: int, count: int) -> np.ndarray:
+        k = np.arange(first, first + count, dtype=np.int64)
+        if self.split == "validation":
+            return k
+        epoch, within = np.divmod(k, self.num_windows)
+        out = np.empty_like(k)
+        for e in np.unique(epoch):  # a chunk spans at most two epochs
+            key = int(_mix(np.array([self.spec.seed * 1_000_003 + int(e)], np.uint64))[0])
+            mask = epoch == e
+            out[mask] = permute(within[mask], self.num_windows, key)
+        return out
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        b = self.spec.local_batch_size
+        start = self._windows_consumed
+        end_of_pass = start + self.chunk > self.num_windows
+        if end_of_pass and not self.infinite:
+            if self.split == "validation" and start * self.window < self.folder.num_tokens - 1:
+                return self._last_padded_batch()
+            raise StopIteration
+        first = start + self.dp_rank * b
+        rows = [
+            self.folder.read(int(w) * self.window, self.window) for w in self._window_ids(first, b)
+        ]
+        self._windows_consumed += self.chunk
+        mine = torch.from_numpy(np.stack(rows))
+        return mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
+
+    def _last_padded_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        begin = self._windows_consumed * self.window
+        rest = torch.from_numpy(self.folder.read(begin, self.folder.num_tokens - begin))
+        self._windows_consumed = self.num_windows + self.chunk  # the pass is over
+        inputs = torch.full((self.chunk, self.window - 1), self._input_pad_id, dtype=torch.int64)
+        labels = torch.full((self.chunk, self.window - 1), -100, dtype=torch.int64)
+        for row, at in enumerate(range(0, rest.numel() - 1, self.window)):
+            piece = rest[at : at + self.window]
+            inputs[row, : piece.numel() - 1] = piece[:-1]
+            labels[row, : piece.numel() - 1] = piece[1:]
+        mine = slice(
+            self.dp_rank * self.spec.local_batch_size,
+            (self.dp_rank + 1) * self.spec.local_batch_size,
+        )
+        return inputs[mine].clone(), labels[mine].clone()
+
+    def _identity(self) -> dict[str, Any]:
+        return {
+            "kind": "tokens",
+            "folder": self.folder.id,
+            "seq_len": self.spec.seq_len,
+            "split": self.split,
+            "seed": self.spec.seed,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "format": STATE_FORMAT,
+            **self._identity(),
+            "windows_consumed": self._windows_consumed,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, value in self._identity().items():
+            if state.get(key) != value:
+                raise UserError(
+                    f"data loader state does not match this run: {key} was {state.get(key)!r} "
+                    f"when saved, now {value!r}; resume with the same data or start a new run"
+                )
+        self._windows_consumed = int(state["windows_consumed"])

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run titanlite's tests, installing what they need on first use (scripts/setup_env.sh --dev).
 #
-#   scripts/test.sh                 everything (about 11 minutes on 2 CPU cores)
+#   scripts/test.sh                 ruff and everything, on two pytest workers (time: BENCHMARKS.md)
 #   scripts/test.sh -m "not slow"   the fast subset (about 20 seconds)
 #   scripts/test.sh tests/test_ddp.py -x    any pytest arguments
 #

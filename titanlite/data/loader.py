@@ -161,20 +161,13 @@ class PackedLoader:
         raise StopIteration
 
     def _last_padded_batch(self, chunk: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rest of a validation pass as one global chunk: the partial last window and the
-        missing windows are padded (labels IGNORE_INDEX) so all ranks get a full batch."""
+        """The rest of a validation pass as one global chunk (see ``padded_chunk``)."""
         tokens = torch.from_numpy(self._tokens).to(torch.int64)
         self._tokens = np.empty(0, dtype=np.int32)
-        inputs = torch.full((chunk, window - 1), self._input_pad_id, dtype=torch.int64)
-        labels = torch.full((chunk, window - 1), IGNORE_INDEX, dtype=torch.int64)
-        for row, start in enumerate(range(0, tokens.numel() - 1, window)):
-            piece = tokens[start : start + window]
-            inputs[row, : piece.numel() - 1] = piece[:-1]
-            labels[row, : piece.numel() - 1] = piece[1:]
         self._windows_consumed += chunk
         first = self.dp_rank * self.spec.local_batch_size
         rows = slice(first, first + self.spec.local_batch_size)
-        return inputs[rows].clone(), labels[rows].clone()
+        return padded_chunk(tokens, chunk, window, self._input_pad_id, rows)
 
     def _maybe_log_throughput(self) -> None:
         now = time.perf_counter()
@@ -249,6 +242,21 @@ class PackedLoader:
         )
         self._windows_consumed = int(state["windows_consumed"])
         self._tokens = np.asarray(state["tokens"], dtype=np.int32)
+
+
+def padded_chunk(
+    tokens: torch.Tensor, chunk: int, window: int, pad_id: int, rows: slice
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last tokens of a validation pass cut into one global chunk of ``chunk`` windows, the
+    partial last window and the missing windows padded (labels IGNORE_INDEX) so that all ranks
+    get a full batch; ``rows`` are this rank's."""
+    inputs = torch.full((chunk, window - 1), pad_id, dtype=torch.int64)
+    labels = torch.full((chunk, window - 1), IGNORE_INDEX, dtype=torch.int64)
+    for row, start in enumerate(range(0, tokens.numel() - 1, window)):
+        piece = tokens[start : start + window]
+        inputs[row, : piece.numel() - 1] = piece[:-1]
+        labels[row, : piece.numel() - 1] = piece[1:]
+    return inputs[rows].clone(), labels[rows].clone()
 
 
 def _close_all(prefetchers: list[Prefetcher]) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from titanlite.data.loader import padded_chunk
 from titanlite.data.spec import SPLITS, DataSpec, Split
 from titanlite.data.tokenizer import Tokenizer
 from titanlite.data.tokens import TokenFolder
@@ -24,7 +25,6 @@ from titanlite.errors import UserError
 
 STATE_FORMAT = 1
 _ROUNDS = 4
-_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -130,17 +130,9 @@ class TokenLoader:
         begin = self._windows_consumed * self.window
         rest = torch.from_numpy(self.folder.read(begin, self.folder.num_tokens - begin))
         self._windows_consumed = self.num_windows + self.chunk  # the pass is over
-        inputs = torch.full((self.chunk, self.window - 1), self._input_pad_id, dtype=torch.int64)
-        labels = torch.full((self.chunk, self.window - 1), -100, dtype=torch.int64)
-        for row, at in enumerate(range(0, rest.numel() - 1, self.window)):
-            piece = rest[at : at + self.window]
-            inputs[row, : piece.numel() - 1] = piece[:-1]
-            labels[row, : piece.numel() - 1] = piece[1:]
-        mine = slice(
-            self.dp_rank * self.spec.local_batch_size,
-            (self.dp_rank + 1) * self.spec.local_batch_size,
-        )
-        return inputs[mine].clone(), labels[mine].clone()
+        b = self.spec.local_batch_size
+        mine = slice(self.dp_rank * b, (self.dp_rank + 1) * b)
+        return padded_chunk(rest, self.chunk, self.window, self._input_pad_id, mine)
 
     def _identity(self) -> dict[str, Any]:
         return {

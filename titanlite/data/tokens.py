@@ -361,10 +361,9 @@ class TokenFolder:
 
 def verify(path: str | os.PathLike[str]) -> str:
     """Re-check every shard and index of a folder against its metadata; a summary line."""
-    folder = TokenFolder(path, "train")
-    meta = folder.meta
     for split in SPLITS:
-        TokenFolder(path, split)  # sizes and presence
+        folder = TokenFolder(path, split)  # sizes and presence
+        meta = folder.meta
         for shard in meta["splits"][split]["shards"]:
             for key, digest in (("file", "sha256"), ("index", "index_sha256")):
                 file = folder.folder / shard[key]

@@ -446,8 +446,14 @@ def test_folder_is_read_recursively_in_sorted_order(tok: Tokenizer, tmp_path: Pa
             lambda p: write_jsonl(p / "a.jsonl", ["x"]) and (p / "b.txt").write_text("y") and p,
             "mixes file types",
         ),
+        # `datasets` fails on an empty JSON-lines file with a bare StopIteration.
+        (lambda p: (p / "e.jsonl").write_text("") or p / "e.jsonl", "no documents in .*e.jsonl"),
+        (
+            lambda p: [(p / "a.jsonl").write_text("\n\n"), (p / "b.jsonl").touch()] and p,
+            "no documents in .*: every file in it is empty",
+        ),
     ],
-    ids=["missing", "extension", "empty-folder", "mixed"],
+    ids=["missing", "extension", "empty-folder", "mixed", "empty-file", "blank-files"],
 )
 def test_bad_dataset_path_is_a_user_error(tok, tmp_path: Path, setup, message: str) -> None:
     path = setup(tmp_path)

@@ -108,6 +108,8 @@ def local_files(dataset_path: str) -> tuple[str, list[Path]]:
                 f"dataset_path {dataset_path!r}: unsupported file type {path.suffix!r}; "
                 f"use one of {SUPPORTED_SUFFIXES} or a folder of them"
             )
+        if _is_blank(path):
+            raise UserError(f"no documents in {dataset_path}: the file is empty")
         return builder, [path]
     files = sorted(
         p
@@ -120,6 +122,11 @@ def local_files(dataset_path: str) -> tuple[str, list[Path]]:
         raise UserError(
             f"dataset_path {dataset_path!r} is a folder with no {SUPPORTED_SUFFIXES} files"
         )
+    # An empty file has no rows and no columns: `datasets` fails on it with a bare
+    # StopIteration, so empty files are left out (and a folder of only those is an error).
+    files = [p for p in files if not _is_blank(p)]
+    if not files:
+        raise UserError(f"no documents in {dataset_path}: every file in it is empty")
     builders = {BUILDERS_BY_SUFFIX[p.suffix.lower()] for p in files}
     if len(builders) > 1:
         kinds = ", ".join(sorted({p.suffix.lower() for p in files}))
@@ -128,6 +135,16 @@ def local_files(dataset_path: str) -> tuple[str, list[Path]]:
             "a folder must hold one kind (.jsonl and .json count as one)"
         )
     return builders.pop(), files
+
+
+def _is_blank(path: Path, probe: int = 1 << 16) -> bool:
+    """True for a file holding nothing but whitespace (only small files are read to tell)."""
+    size = path.stat().st_size
+    if size == 0:
+        return True
+    if size > probe or path.suffix.lower() == ".parquet":
+        return False
+    return not path.read_bytes().strip()
 
 
 def open_documents(spec: DataSpec) -> Documents:

@@ -9,6 +9,7 @@ a file the parent reads; its log records go back with each reply.
 from __future__ import annotations
 
 import faulthandler
+import gc
 import importlib
 import logging
 import os
@@ -132,6 +133,7 @@ def _destroy_subgroups() -> None:
     for group in [g for g in list(distributed_c10d._world.pg_map) if g is not world]:
         dist.destroy_process_group(group)
     _clear_dtensor_caches()
+    gc.collect()
 
 
 def _clear_dtensor_caches() -> None:

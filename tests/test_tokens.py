@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import train_scenarios
+from conftest import REPO, subprocess_env
+from pool import get_pool
 from test_data import make_docs, write_jsonl
 
 from titanlite.data import DEFAULT_TOKENIZER_PATH, DataSpec, Tokenizer, load_tokenizer
@@ -182,3 +188,254 @@ def test_validation_pass_covers_the_held_out_tokens_once(tmp_path, tok, spec):
     tail = sum(min(17, rest - at) - 1 for at in range(0, rest - 1, 17))
     assert real.numel() == full * 16 + tail > 0
     assert torch.equal(real[:16], torch.from_numpy(folder.read(1, 16)))
+
+
+# --------------------------------------------------------------------------- training on a folder
+TRAIN_STEPS = 12
+DEBUG_CONFIG = str(REPO / "train_configs" / "debug_model.toml")
+# The tiny model of test_resume_layouts; global batch 4 x 64 tokens; validation twice.
+TRAIN_ARGS = [
+    "--training.steps", str(TRAIN_STEPS), "--checkpoint.interval", "4", "--metrics.log_freq", "1",
+    "--training.seq_len", "64", "--model.n_layers", "2", "--validation.enable", "true",
+    "--validation.freq", "6", "--validation.steps", "2",
+]  # fmt: skip
+PARITY_RTOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def sotu_tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The built-in corpus, pre-tokenized by the script exactly as README's two-step workflow."""
+    out = tmp_path_factory.mktemp("sotu") / "tokens"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "pretokenize.py"), DEBUG_CONFIG, "--out", str(out)],
+        cwd=REPO, env=subprocess_env(out.parent), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "tokens/s" in result.stderr  # the progress line
+    return out
+
+
+def train_on(folder: Path, out: Path, world: int, local_batch: int, *args: str) -> dict:
+    """Train on the pool with dp_shard = world; rank 0's run (records, run.json)."""
+    argv = [
+        *TRAIN_ARGS, "--training.dataset_path", str(folder), "--job.dump_folder", str(out),
+        "--training.local_batch_size", str(local_batch), *args,
+    ]  # fmt: skip
+    return get_pool(world).run(train_scenarios.train, argv=argv)[0]
+
+
+def curves(run: dict) -> tuple[dict[int, float], dict[int, float]]:
+    """(training loss by step, validation loss by step); the last record of a step wins."""
+    records = run["records"]
+    train = {r["step"]: r["loss"] for r in records if "loss" in r and r.get("kind") != "validation"}
+    val = {r["step"]: r["val_loss"] for r in records if r.get("kind") == "validation"}
+    return train, val
+
+
+def worst_relative(want: dict[int, float], got: dict[int, float], steps: range) -> float:
+    assert all(s in got for s in steps), f"steps {sorted(got)}, wanted {list(steps)}"
+    return max(abs(want[s] - got[s]) / abs(want[s]) for s in steps)
+
+
+@pytest.fixture(scope="module")
+def one_process(sotu_tokens: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("one") / "run"
+    run = train_on(sotu_tokens, out, 1, 4)
+    train, val = curves(run)
+    assert sorted(train) == list(range(1, TRAIN_STEPS + 1)) and sorted(val) == [6, 12]
+    assert train[TRAIN_STEPS] < train[1]
+    return {"out": out, "train": train, "val": val}
+
+
+@pytest.mark.slow
+def test_four_ranks_on_a_token_folder_match_one_process_and_resume_on_two(
+    sotu_tokens: Path, one_process: dict, tmp_path: Path
+) -> None:
+    """dp_shard=4 (1 sequence each) against one process (4 sequences), training and
+    validation loss; then the 4-rank checkpoint of step 8 resumes on 2 ranks."""
+    four = train_on(sotu_tokens, tmp_path / "four", 4, 1)
+    train, val = curves(four)
+    assert four["info"]["parallel_degrees"]["dp_shard"] == 4
+    worst = worst_relative(one_process["train"], train, range(1, TRAIN_STEPS + 1))
+    assert worst <= PARITY_RTOL, f"training loss: worst relative difference {worst:.3g}"
+    worst = worst_relative(one_process["val"], val, range(6, 13, 6))
+    assert worst <= PARITY_RTOL, f"validation loss: worst relative difference {worst:.3g}"
+
+    two = tmp_path / "two"
+    shutil.copytree(tmp_path / "four" / "checkpoint" / "step-8", two / "checkpoint" / "step-8")
+    resumed = train_on(sotu_tokens, two, 2, 2)
+    kinds = [r.get("kind") for r in resumed["records"]]
+    after = resumed["records"][kinds.index("resume") + 1 :]
+    assert [r["step"] for r in after if "loss" in r] == list(range(9, TRAIN_STEPS + 1))
+    train, _ = curves(resumed)
+    worst = worst_relative(one_process["train"], train, range(9, TRAIN_STEPS + 1))
+    assert worst <= PARITY_RTOL, f"resumed on 2 ranks: worst relative difference {worst:.3g}"
+
+
+@pytest.mark.slow
+def test_sigkilled_run_on_a_token_folder_resumes_exactly(
+    sotu_tokens: Path, one_process: dict, tmp_path: Path
+) -> None:
+    """A real trainer process killed with SIGKILL once step-8 is saved; the resumed run (same
+    layout) ends with the uninterrupted run's losses, bit for bit."""
+    from test_checkpoint import Started, last_losses, steps_since_last_resume
+
+    out = tmp_path / "run"
+    args = (*TRAIN_ARGS, "--training.dataset_path", str(sotu_tokens))
+    victim = Started(out, *args, "--training.local_batch_size", "4")
+    victim.wait_until("step-8 is saved", lambda: (out / "checkpoint" / "step-8").is_dir())
+    victim.proc.send_signal(signal.SIGKILL)
+    assert victim.wait() == -signal.SIGKILL
+    assert max(last_losses(out)) < TRAIN_STEPS  # it really was stopped early
+    resumed = train_on(sotu_tokens, out, 1, 4)
+    assert any(r.get("kind") == "resume" for r in resumed["records"])
+    assert steps_since_last_resume(out) == list(range(9, TRAIN_STEPS + 1))
+    assert curves(resumed)[0] == one_process["train"]
+
+
+# --------------------------------------------------------------------------- mixtures
+def test_interleaving_gives_each_dataset_its_share_of_every_prefix():
+    from titanlite.data.mixture import Interleave
+
+    for weights in ([0.7, 0.3], [5, 3, 1, 1], [1, 1, 1]):
+        mix = Interleave(weights)
+        received = [0] * len(weights)
+        worst = 0.0
+        for k in range(50_000):
+            dataset, n = mix.locate(k)
+            assert n == received[dataset]  # each dataset's windows are used in order
+            received[dataset] += 1
+            if k % 101 == 0:
+                assert mix.counts(k + 1) == received  # the closed form matches
+                worst = max(worst, mix.worst_deviation(k + 1))
+        assert worst <= 1.0, (weights, worst)  # within one window of the weights, any prefix
+        total = sum(weights)
+        for got, w in zip(received, weights, strict=True):
+            assert abs(got / 50_000 - w / total) < 1e-4
+
+
+@pytest.fixture()
+def two_folders(tmp_path: Path, tok: Tokenizer) -> tuple[Path, Path]:
+    out = []
+    for name, seed, docs in (("a", 11, 80), ("b", 12, 6)):  # b is small: it wraps epochs
+        source = write_jsonl(tmp_path / f"{name}.jsonl", make_docs(docs, seed=seed))
+        spec = DataSpec(dataset_path=str(source), validation_fraction=0.1)
+        pretokenize(spec, tok, tmp_path / name, shard_tokens=700, progress=False)
+        out.append(tmp_path / name)
+    return out[0], out[1]
+
+
+def test_mixture_batches_follow_the_weights_for_any_layout(tok, two_folders):
+    from titanlite.data.mixture import MixtureLoader, Part
+
+    seq = 16
+
+    def windows(folder: Path) -> set[tuple[int, ...]]:
+        stream = TokenFolder(folder, "train").read(0, TokenFolder(folder, "train").num_tokens)
+        return {tuple(stream[i : i + seq + 1]) for i in range(0, stream.size - seq, seq + 1)}
+
+    def parts(batch: int, weights=(0.75, 0.25)) -> list[Part]:
+        return [
+            Part(f.name, w, DataSpec(dataset_path=str(f), seq_len=seq, local_batch_size=batch))
+            for f, w in zip(two_folders, weights, strict=True)
+        ]
+
+    one = MixtureLoader(tok, parts(8), 0, 1)
+    steps = 40  # 320 windows, 80 of them b's: more than b has, so it starts a new epoch
+    reference = []
+    for _ in range(steps):
+        inputs, labels = next(one)
+        reference.append(torch.cat([inputs, labels[:, -1:]], dim=1))
+    rows = torch.cat(reference)
+    a, b = windows(two_folders[0]), windows(two_folders[1])
+    assert rows.shape[0] * 0.25 > len(b)
+    source = [(tuple(r.tolist()) in a, tuple(r.tolist()) in b) for r in rows]
+    assert all(x != y for x, y in source)  # every window is a whole window of one folder
+    share_a = sum(x for x, _ in source) / len(source)
+    assert abs(share_a - 0.75) <= 1 / len(source)
+    assert one.realized() == {"a": share_a, "b": 1 - share_a}
+
+    # Four ranks give the same global batches; their state resumes on two ranks.
+    ranks = [MixtureLoader(tok, parts(2), r, 4) for r in range(4)]
+    for step in range(15):
+        got = torch.cat([torch.cat([i, lab[:, -1:]], 1) for i, lab in map(next, ranks)])
+        assert torch.equal(got, reference[step])
+    state = ranks[0].state_dict()
+    resumed = [MixtureLoader(tok, parts(4), r, 2) for r in range(2)]
+    for loader in resumed:
+        loader.load_state_dict(state)
+    for step in range(15, steps):
+        got = torch.cat([torch.cat([i, lab[:, -1:]], 1) for i, lab in map(next, resumed)])
+        assert torch.equal(got, reference[step])
+    # Other weights are another run: refused, naming what changed.
+    with pytest.raises(UserError, match="weights"):
+        MixtureLoader(tok, parts(8, (0.5, 0.5)), 0, 1).load_state_dict(state)
+
+
+def test_mixture_config_and_its_errors(tmp_path, two_folders):
+    from titanlite.checks import check
+    from titanlite.config import ConfigError, load_config, to_toml
+
+    a, b = two_folders
+    toml = tmp_path / "mix.toml"
+    toml.write_text(
+        f'[[training.datasets]]\npath = "{a}"\nweight = 3\n\n'
+        f'[[training.datasets]]\npath = "{b}"\nname = "bee"\n'
+    )
+    cfg = load_config(["--job.config_file", str(toml)])
+    assert [(e.path, e.weight, e.name) for e in cfg.training.datasets] == [
+        (str(a), 3.0, ""), (str(b), 1.0, "bee"),
+    ]  # fmt: skip
+    again = tmp_path / "resolved.toml"
+    again.write_text(to_toml(cfg))  # what a run writes to config.toml reads back the same
+    assert load_config(["--job.config_file", str(again)]).training.datasets == cfg.training.datasets
+    cli = load_config([f"--training.datasets={a}:0.7,{b}"]).training.datasets
+    assert [(e.path, e.weight) for e in cli] == [(str(a), 0.7), (str(b), 1.0)]
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text(f'[[training.datasets]]\npath = "{a}"\nwieght = 2\n')
+    with pytest.raises(ConfigError, match="wieght.*did you mean 'weight'"):
+        load_config(["--job.config_file", str(bad)])
+    with pytest.raises(ConfigError, match=r"datasets\[1\].weight: must be > 0"):
+        load_config([f"--training.datasets={a},{b}:0"])
+    with pytest.raises(ConfigError, match="two entries are named 'a'"):
+        load_config([f"--training.datasets={a},{a}"])
+    text = write_jsonl(tmp_path / "t.jsonl", ["some text"])
+    with pytest.raises(UserError, match=r"datasets\[1\].path: .* is not a pre-tokenized folder"):
+        check(load_config([f"--training.datasets={a},{text.parent}"]), 1)
+
+
+@pytest.mark.slow
+def test_training_on_a_mixture_reports_each_datasets_validation_loss(
+    sotu_tokens: Path, tmp_path: Path, tok: Tokenizer
+) -> None:
+    source = write_jsonl(tmp_path / "synthetic.jsonl", make_docs(400, seed=5))
+    synthetic = tmp_path / "synthetic"
+    pretokenize(DataSpec(dataset_path=str(source)), tok, synthetic, progress=False)
+    argv = [
+        *TRAIN_ARGS, "--training.steps", "6", "--job.dump_folder", str(tmp_path / "run"),
+        "--training.local_batch_size", "4", f"--training.datasets={sotu_tokens}:3,{synthetic}",
+    ]  # fmt: skip
+    pool = get_pool(1)
+    run = pool.run(train_scenarios.train, argv=argv)[0]
+    (record,) = [r for r in run["records"] if r.get("kind") == "validation"]
+    assert record["step"] == 6
+    parts = {"tokens": record["val_loss_tokens"], "synthetic": record["val_loss_synthetic"]}
+    assert parts["synthetic"] != parts["tokens"]
+    assert min(parts.values()) < record["val_loss"] < max(parts.values())
+    logs = "\n".join(pool.last_logs[0])
+    assert "data mixture after 24 windows: tokens 75.00% (weight 75.00%)" in logs, logs[-2000:]
+
+
+@pytest.mark.slow
+def test_later_validation_passes_reuse_the_first_passes_batches(tmp_path: Path) -> None:
+    """The text stream finds held-out documents by scanning the corpus: only the first pass
+    does; the second (same weights) gives the identical loss from the kept batches."""
+    argv = [*TRAIN_ARGS, "--job.dump_folder", str(tmp_path / "run"), "--validation.steps", "3",
+            "--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2"]  # fmt: skip
+    pool = get_pool(2)
+    first, second = pool.run(train_scenarios.validate_twice, argv=argv)[0]
+    assert first["val_loss"] == second["val_loss"] and first["val_tokens"] == 3 * 4 * 64
+    logs = pool.last_logs[0]
+    assert sum("kept for later passes" in line for line in logs) == 1, logs
+    assert sum("data: first validation batch" in line for line in logs) == 1, logs

@@ -85,3 +85,18 @@ def train_with_rank_seeds(rank: int, world: int, argv: list[str]) -> list[float]
         return torch.rand(3).tolist()
     finally:
         trainer.close()
+
+
+def validate_twice(rank: int, world: int, argv: list[str]) -> list[dict] | None:
+    """Two validation passes on the initial weights; rank 0 returns both records."""
+    cfg = load_config(["--job.config_file", DEBUG_CONFIG, "--checkpoint.enable=false", *argv])
+    trainer = Trainer(cfg)
+    try:
+        trainer.validate()
+        trainer.validate()
+    finally:
+        trainer.close()
+    if rank != 0:
+        return None
+    lines = (Path(cfg.job.dump_folder) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("kind") == "validation"]

@@ -20,6 +20,7 @@ from titanlite.config import (
 )
 from titanlite.config.layout import pipeline_plan
 from titanlite.data.tokenizer import Tokenizer, load_tokenizer
+from titanlite.data.tokens import is_token_folder
 from titanlite.errors import Problems
 from titanlite.models.spec import ModelSpec
 
@@ -146,8 +147,17 @@ def check(cfg: JobConfig, world_size: int) -> Tokenizer | None:
             "document boundaries by"
         )
     path = resolve_path(cfg.training.dataset_path)
-    if path and not os.path.exists(path):
+    if path and not os.path.exists(path) and not cfg.training.datasets:
         problems.add(f"training.dataset_path: {path!r} does not exist")
+    for i, entry in enumerate(cfg.training.datasets):
+        folder = resolve_path(entry.path)
+        if not os.path.isdir(folder):
+            problems.add(f"training.datasets[{i}].path: {folder!r} is not a folder")
+        elif not is_token_folder(folder):
+            problems.add(
+                f"training.datasets[{i}].path: {folder!r} is not a pre-tokenized folder "
+                "(make one with scripts/pretokenize.py)"
+            )
     rank = cfg.job.dry_run_init_rank
     if rank >= world_size:
         problems.add(

@@ -28,7 +28,9 @@ from titanlite.config import (
     gradient_accumulation_steps,
     resolve_degrees,
 )
+from titanlite.config.parse import dataset_name
 from titanlite.data import IGNORE_INDEX, DataSpec, build_dataloader
+from titanlite.data.mixture import MixtureLoader, Part
 from titanlite.dtypes import DTYPES
 from titanlite.metrics import MetricsLogger, format_duration, model_state_bytes, peak_flops
 from titanlite.models.layers import count_params
@@ -64,6 +66,22 @@ def data_spec(cfg: JobConfig) -> DataSpec:
     )
 
 
+VALIDATION_CACHE_BYTES = 512 << 20
+"""Validation batches a rank keeps in memory between passes (beyond it: read again)."""
+
+
+def mixture_parts(cfg: JobConfig, base: DataSpec) -> list[Part]:
+    """training.datasets as mixture parts: each folder with the run's seq_len, batch, seed."""
+    from dataclasses import replace
+
+    total = sum(e.weight for e in cfg.training.datasets)
+    return [
+        Part(dataset_name(e), e.weight / total,
+             replace(base, dataset_path=resolve_path(e.path)))
+        for e in cfg.training.datasets
+    ]  # fmt: skip
+
+
 class Trainer:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
@@ -89,9 +107,16 @@ class Trainer:
         # 2. Data (the tokenizer came with the checks): each rank reads its share of the same
         # global batches.
         self.data = data_spec(cfg)
-        self.train_loader = build_dataloader(
-            self.tokenizer, self.data, self.dims.batch_rank, self.dims.batch_size, "train"
-        )
+        self.mixture = mixture_parts(cfg, self.data)
+        self._validation_cache: dict[DataSpec, list] = {}
+        if self.mixture:
+            self.train_loader = MixtureLoader(
+                self.tokenizer, self.mixture, self.dims.batch_rank, self.dims.batch_size
+            )
+        else:
+            self.train_loader = build_dataloader(
+                self.tokenizer, self.data, self.dims.batch_rank, self.dims.batch_size, "train"
+            )
         self.startup.mark("data")
 
         # 3. Model: meta device -> parallelize -> allocate and initialize the local shards
@@ -211,6 +236,8 @@ class Trainer:
                 self.checkpointer.poll()
                 window_start += time.perf_counter() - paused
                 profiler.step()
+        if self.mixture:
+            self._log_mixture()
         logger.info(
             "training finished: %d steps in %s", total, format_duration(time.perf_counter() - start)
         )
@@ -284,21 +311,67 @@ class Trainer:
         return bool(stop)
 
     # ------------------------------------------------------------------ validation
+    def _log_mixture(self) -> None:
+        loader = self.train_loader
+        k = loader._windows_consumed
+        shares = ", ".join(
+            f"{name} {share:.2%} (weight {part.weight:.2%})"
+            for (name, share), part in zip(loader.realized().items(), self.mixture, strict=True)
+        )
+        logger.info(
+            "data mixture after %d windows: %s; worst deviation %.1f windows",
+            k, shares, loader.interleave.worst_deviation(k),
+        )  # fmt: skip
+
     @torch.no_grad()
     def validate(self) -> None:
-        """Mean loss over the held-out documents (the same batches every time)."""
+        """Mean loss over the held-out documents (the same batches every time); with a
+        mixture, also each dataset's own (val_loss_NAME), val_loss over all of them."""
+        specs = [(p.name, p.spec) for p in self.mixture] or [("", self.data)]
+        sums = [self._validation_sums(spec) for _, spec in specs]
+        total = sum(c for _, c in sums)
+        if total == 0:
+            logger.warning("validation split is empty; no validation loss")
+            return
+        val_loss = sum(loss for loss, _ in sums) / total
+        record = {"step": self.state.step, "kind": "validation", "val_loss": val_loss,
+                  "val_tokens": total}  # fmt: skip
+        parts = ""
+        if self.mixture:
+            for (name, _), (loss, count) in zip(specs, sums, strict=True):
+                if count:
+                    record[f"val_loss_{name}"] = loss / count
+            parts = " | " + ", ".join(
+                f"{name} {record[f'val_loss_{name}']:.4f}"
+                for name, _ in specs
+                if f"val_loss_{name}" in record
+            )
+        self.metrics.log(
+            record,
+            f"validation at step {self.state.step} | val_loss {val_loss:7.4f}{parts} | "
+            f"{total:,} tokens",
+        )
+
+    def _validation_sums(self, spec: DataSpec) -> tuple[float, int]:
+        """(summed loss, label count) over the validation split of ``spec``, all ranks."""
         cfg = self.cfg
         loss_group = self.dims.group("loss")
-        loader = build_dataloader(
-            self.tokenizer, self.data, self.dims.batch_rank, self.dims.batch_size, "validation"
-        )
+        cached = self._validation_cache.get(spec)
+        if cached is None:
+            loader = build_dataloader(
+                self.tokenizer, spec, self.dims.batch_rank, self.dims.batch_size, "validation"
+            )
+            it, recorded = iter(loader), []
+        else:
+            it, recorded = iter(cached), None
         self.model.train(False)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         count = torch.zeros((), device=self.device, dtype=torch.float64)
         batches = 0
-        it = iter(loader)
         while cfg.validation.steps == -1 or batches < cfg.validation.steps:
             batch = next(it, None)
+            if recorded is not None and batch is not None:
+                recorded.append(batch)
             # Every rank must run the same number of forwards (FSDP gathers inside them).
             have = distributed.all_reduce(
                 torch.tensor(int(batch is not None)), dist.ReduceOp.MIN, loss_group
@@ -315,18 +388,31 @@ class Trainer:
             count += (labels != IGNORE_INDEX).sum()
             batches += 1
         self.model.train(True)
+        if recorded is not None:
+            loader.close()
+            self._keep_validation_batches(spec, recorded)
         loss_sum = distributed.all_reduce(loss_sum, dist.ReduceOp.SUM, loss_group)
         count = distributed.all_reduce(count, dist.ReduceOp.SUM, loss_group)
-        if int(count) == 0:
-            logger.warning("validation split is empty; no validation loss")
-            return
-        val_loss = float(loss_sum / count)
-        self.metrics.log(
-            {"step": self.state.step, "kind": "validation", "val_loss": val_loss,
-             "val_tokens": int(count)},
-            f"validation at step {self.state.step} | val_loss {val_loss:7.4f} | "
-            f"{int(count):,} tokens",
-        )  # fmt: skip
+        return float(loss_sum), int(count)
+
+    def _keep_validation_batches(self, spec: DataSpec, batches: list) -> None:
+        """Every pass reads the same batches: keep them (within VALIDATION_CACHE_BYTES per
+        rank) so that later passes neither rescan the corpus for held-out documents nor
+        tokenize them again. The size is the same on every rank, so all ranks decide alike."""
+        size = sum(t.numel() * t.element_size() for batch in batches for t in batch)
+        used = sum(t.numel() * t.element_size()
+                   for kept in self._validation_cache.values() for b in kept for t in b)  # fmt: skip
+        if used + size <= VALIDATION_CACHE_BYTES:
+            self._validation_cache[spec] = batches
+            logger.info(
+                "validation: %d batches (%.1f MiB) kept for later passes", len(batches),
+                size / 2**20,
+            )  # fmt: skip
+        else:
+            logger.info(
+                "validation: %.1f MiB of batches is over the %d MiB cache; later passes "
+                "read them again", size / 2**20, VALIDATION_CACHE_BYTES >> 20,
+            )  # fmt: skip
 
     def close(self) -> None:
         self.checkpointer.close()

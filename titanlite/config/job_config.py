@@ -96,6 +96,15 @@ class LRScheduler:
 
 
 @dataclass
+class DatasetEntry:
+    """One [[training.datasets]] table: a pre-tokenized folder and its share of the windows."""
+
+    path: str
+    weight: float = 1.0
+    name: str = ""
+
+
+@dataclass
 class Training:
     steps: int = 10000
     """Number of optimizer steps."""
@@ -119,6 +128,8 @@ class Training:
     """Hub dataset configuration name (e.g. "en" for allenai/c4)."""
     text_field: str = "text"
     """Field/column holding the text in json and parquet rows."""
+    datasets: list[DatasetEntry] = field(default_factory=list)
+    """A weighted mixture of pre-tokenized folders, read instead of dataset/dataset_path: [[training.datasets]] tables with path, weight (default 1; normalized) and name (default the folder's name), or on the command line PATH[:WEIGHT],PATH[:WEIGHT]."""
     document_mask: bool = False
     """Attention stays within each document of a packed window (block-causal): a token sees only the earlier tokens of its own document. Documents start at the tokenizer's BOS (without one, after its EOS)."""
     document_positions: bool = False

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 from titanlite.checkpoint.keys import STATE_KEYS
 from titanlite.config import torchtitan
-from titanlite.config.job_config import ConfigError, JobConfig
+from titanlite.config.job_config import ConfigError, DatasetEntry, JobConfig
 from titanlite.errors import Problems
 
 if sys.version_info >= (3, 11):
@@ -139,6 +139,8 @@ def _coerce(value: Any, tp: Any, key: str, from_cli: bool) -> Any:
         if isinstance(value, str):
             return value
         raise bad("a string")
+    if typing.get_origin(inner) is list and typing.get_args(inner)[0] is DatasetEntry:
+        return _dataset_entries(value, key, from_cli)
     if typing.get_origin(inner) is list:
         if from_cli and isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
@@ -146,6 +148,42 @@ def _coerce(value: Any, tp: Any, key: str, from_cli: bool) -> Any:
             return list(value)
         raise bad("a list of strings")
     raise TypeError(f"unsupported config type {tp!r} for {key}")  # a schema bug, not user input
+
+
+def _dataset_entries(value: Any, key: str, from_cli: bool) -> list[DatasetEntry]:
+    """[[training.datasets]] tables, or PATH[:WEIGHT],... on the command line."""
+    if from_cli and isinstance(value, str):
+        tables = []
+        for item in (v.strip() for v in value.split(",")):
+            path, sep, weight = item.rpartition(":")
+            if not sep or not path:
+                path, weight = item, "1"
+            try:
+                tables.append({"path": path, "weight": float(weight)})
+            except ValueError:
+                tables.append({"path": item})
+        value = [t for t in tables if t["path"]]
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise ConfigError(f"{key}: expected [[{key}]] tables (path, weight, name), got {value!r}")
+    hints = field_types(DatasetEntry)
+    entries = []
+    for i, table in enumerate(value):
+        where = f"{key}[{i}]"
+        unknown = sorted(set(table) - set(hints))
+        if unknown:
+            raise _unknown(f"key in {where}:", unknown[0], list(hints))
+        if "path" not in table:
+            raise ConfigError(f"{where}: path is required")
+        fields = {
+            name: _coerce(v, hints[name], f"{where}.{name}", False) for name, v in table.items()
+        }
+        entries.append(DatasetEntry(**fields))
+    return entries
+
+
+def dataset_name(entry: DatasetEntry) -> str:
+    """A mixture entry's name: as given, else its folder's name."""
+    return entry.name or os.path.basename(os.path.normpath(entry.path))
 
 
 def _unknown(kind: str, name: str, known: list[str]) -> ConfigError:
@@ -320,6 +358,14 @@ def validate(cfg: JobConfig) -> None:
     )
     require(0 <= t.seed < 2**32, "training.seed", "must be in [0, 2**32)")
     require(t.max_norm >= 0, "training.max_norm", "must be >= 0 (0 disables clipping)")
+    for i, entry in enumerate(t.datasets):
+        if not entry.weight > 0:
+            problems.add(f"training.datasets[{i}].weight: must be > 0, got {entry.weight!r}")
+        if not entry.path:
+            problems.add(f"training.datasets[{i}].path: must not be empty")
+    names = [dataset_name(e) for e in t.datasets]
+    for name in sorted({n for n in names if names.count(n) > 1}):
+        problems.add(f"training.datasets: two entries are named {name!r}; give each a name")
     require(o.lr > 0, "optimizer.lr", "must be > 0")
     require(o.eps > 0, "optimizer.eps", "must be > 0")
     require(o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0")
@@ -419,6 +465,10 @@ def toml_value(value: Any) -> str:
         return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
     if isinstance(value, list):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if dataclasses.is_dataclass(value):  # an inline table, e.g. one of training.datasets
+        items = ", ".join(f"{f.name} = {toml_value(getattr(value, f.name))}"
+                          for f in dataclasses.fields(value))  # fmt: skip
+        return "{" + items + "}"
     raise TypeError(f"cannot write {value!r} as TOML")
 
 

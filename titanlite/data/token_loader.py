@@ -98,8 +98,9 @@ class TokenLoader:
             self._windows_consumed = 0
         return self
 
-    def _window_ids(self, first: int, count: int) -> np.ndarray:
-        k = np.arange(first, first + count, dtype=np.int64)
+    def _window_ids(self, k: np.ndarray) -> np.ndarray:
+        """The folder's window numbers of this split's windows ``k`` (0, 1, ... in order of
+        use: shuffled per epoch for train, in order for validation)."""
         if self.split == "validation":
             return k
         epoch, within = np.divmod(k, self.num_windows)
@@ -119,12 +120,15 @@ class TokenLoader:
                 return self._last_padded_batch()
             raise StopIteration
         first = start + self.dp_rank * b
-        rows = [
-            self.folder.read(int(w) * self.window, self.window) for w in self._window_ids(first, b)
-        ]
+        rows = [self.read_window(k) for k in range(first, first + b)]
         self._windows_consumed += self.chunk
         mine = torch.from_numpy(np.stack(rows))
         return mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
+
+    def read_window(self, k: int) -> np.ndarray:
+        """The seq_len + 1 tokens of window ``k`` of this split (see ``_window_ids``)."""
+        (w,) = self._window_ids(np.array([k], dtype=np.int64))
+        return self.folder.read(int(w) * self.window, self.window)
 
     def _last_padded_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         begin = self._windows_consumed * self.window

@@ -1,0 +1,154 @@
+"""A weighted mixture of pre-tokenized folders ([[training.datasets]]), read per rank.
+
+Global window k (all ranks together, in order) is given to a dataset by a fixed, stateless
+rule whose counts have a closed form: with normalized weights p_0..p_{D-1}, the first k windows
+give dataset 0 exactly round(k * p_0) of them; the windows dataset 0 does not take pass on, in
+order, to dataset 1 with weight p_1 / (1 - p_0), and so on. Any prefix of the run therefore holds
+each dataset within about one window per dataset of its weight's share, the n-th window a
+dataset receives is its own window sequence's n-th (shuffled per epoch exactly as a single
+folder, TokenLoader), and a rank computes its windows' datasets and positions from k alone:
+no state but the number of windows consumed, valid under any data-parallel degree. Weights are
+held as exact fractions so that every rank (and every resume) rounds identically.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+import torch
+
+from titanlite.data.spec import DataSpec
+from titanlite.data.token_loader import TokenLoader
+from titanlite.data.tokenizer import Tokenizer
+from titanlite.data.tokens import is_token_folder
+from titanlite.errors import UserError
+
+STATE_FORMAT = 1
+_WEIGHT_DENOMINATOR = 1 << 20  # weights are exact multiples of 2^-20 of the total
+
+
+@dataclass(frozen=True)
+class Part:
+    """One dataset of a mixture: its name (in logs and per-dataset validation), normalized
+    weight, and the spec of its folder."""
+
+    name: str
+    weight: float
+    spec: DataSpec
+
+
+def _round_half_up(numerator: int, denominator: int) -> int:
+    return (2 * numerator + denominator) // (2 * denominator)
+
+
+class Interleave:
+    """The window-to-dataset rule (see the module docstring), in exact integer arithmetic."""
+
+    def __init__(self, weights: list[float]) -> None:
+        if not weights or any(not w > 0 for w in weights):
+            raise ValueError(f"weights must be positive, got {weights}")
+        total = sum(weights)
+        units = [max(1, round(w / total * _WEIGHT_DENOMINATOR)) for w in weights]
+        # Level d takes share units[d] / (sum of units[d:]) of what reaches it.
+        self.shares = [Fraction(u, sum(units[d:])) for d, u in enumerate(units)]
+        self.weights = [Fraction(u, sum(units)) for u in units]
+
+    def _taken(self, level: int, n: int) -> int:
+        share = self.shares[level]
+        return _round_half_up(n * share.numerator, share.denominator)
+
+    def counts(self, k: int) -> list[int]:
+        """How many of global windows 0..k-1 each dataset received."""
+        out = []
+        for level in range(len(self.shares)):
+            taken = self._taken(level, k)
+            out.append(taken)
+            k -= taken
+        return out
+
+    def locate(self, k: int) -> tuple[int, int]:
+        """(dataset, its own window number) of global window k."""
+        for level in range(len(self.shares)):
+            before = self._taken(level, k)
+            if self._taken(level, k + 1) > before:
+                return level, before
+            k -= before
+        raise AssertionError("the last share is 1: every window is taken")  # pragma: no cover
+
+    def worst_deviation(self, k: int) -> float:
+        """Largest |received - weight * k| over the datasets after k windows, in windows."""
+        return max(abs(c - float(w) * k) for c, w in zip(self.counts(k), self.weights, strict=True))
+
+
+class MixtureLoader:
+    """Iterable of ``(inputs, labels)`` like TokenLoader, over several token folders."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, parts: list[Part], dp_rank: int, dp_world_size: int
+    ) -> None:
+        for part in parts:
+            if not is_token_folder(part.spec.dataset_path):
+                raise UserError(
+                    f"training.datasets: {part.spec.dataset_path!r} ({part.name}) is not a "
+                    "pre-tokenized folder; mixtures read folders made by scripts/pretokenize.py"
+                )
+        self.parts = parts
+        self.spec = parts[0].spec
+        self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
+        self.chunk = self.spec.local_batch_size * dp_world_size
+        # Each part's own window sequence; only its epoch/permutation logic and reads are used.
+        self.sources = [TokenLoader(tokenizer, p.spec, 0, 1, "train") for p in parts]
+        self.interleave = Interleave([p.weight for p in parts])
+        self._windows_consumed = 0
+
+    def close(self) -> None:
+        pass
+
+    def __iter__(self) -> MixtureLoader:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        b = self.spec.local_batch_size
+        first = self._windows_consumed + self.dp_rank * b
+        rows = []
+        for k in range(first, first + b):
+            part, n = self.interleave.locate(k)
+            rows.append(self.sources[part].read_window(n))
+        self._windows_consumed += self.chunk
+        mine = torch.from_numpy(np.stack(rows))
+        return mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
+
+    def realized(self) -> dict[str, float]:
+        """Each dataset's share of the windows consumed so far."""
+        k = max(self._windows_consumed, 1)
+        counts = self.interleave.counts(self._windows_consumed)
+        return {p.name: c / k for p, c in zip(self.parts, counts, strict=True)}
+
+    def _identity(self) -> dict[str, Any]:
+        return {
+            "kind": "mixture",
+            "folders": [s.folder.id for s in self.sources],
+            "weights": [str(w) for w in self.interleave.weights],
+            "seq_len": self.spec.seq_len,
+            "seed": self.spec.seed,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "format": STATE_FORMAT,
+            **self._identity(),
+            "windows_consumed": self._windows_consumed,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, value in self._identity().items():
+            if state.get(key) != value:
+                raise UserError(
+                    f"data loader state does not match this run: {key} was {state.get(key)!r} "
+                    f"when saved, now {value!r}; resume with the same datasets and weights or "
+                    "start a new run"
+                )
+        self._windows_consumed = int(state["windows_consumed"])

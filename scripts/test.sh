@@ -13,10 +13,11 @@ py="$(scripts/setup_env.sh --dev)"
 if [ $# -eq 0 ]; then
   "$py" -m ruff check .
   "$py" -m ruff format --check .
-  # Most of the suite's wall time is spent waiting on process start-up and rendezvous, so
-  # two pytest workers nearly halve it; whole files stay on one worker (their fixtures,
-  # namespaces and worker pools are per module or per session).
-  set -- -n 2 --dist loadfile
+  # Much of the suite's wall time is spent waiting on process start-up and rendezvous, so
+  # two pytest workers shorten it; whole files stay on one worker (their fixtures, namespaces
+  # and worker pools are per module or per session), handed out in collection order, which
+  # tests/conftest.py sorts longest first (xdist's default reorder put the longest last).
+  set -- -n 2 --dist loadfile --no-loadscope-reorder
 fi
 # Tests never reach the network: the Hub is refused at once, wandb stays offline.
 export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 WANDB_MODE="${WANDB_MODE:-offline}"

@@ -95,3 +95,21 @@ def _stop_worker_pools() -> Iterator[None]:
     pool = sys.modules.get("pool")
     if pool is not None and hasattr(pool, "shutdown_pools"):
         pool.shutdown_pools()
+
+
+# The longest files (measured with --durations, BENCHMARKS.md "Test suite"), longest first.
+# scripts/test.sh runs two xdist workers that take whole files in collection order
+# (--dist loadfile --no-loadscope-reorder): started first, these run side by side with the
+# short files filling in after them, instead of meeting at the end.
+LONGEST_FIRST = (
+    "test_pipeline.py", "test_train_e2e.py", "test_cluster.py", "test_parity.py",
+    "test_checkpoint.py", "test_resume_layouts.py", "test_observability.py",
+)  # fmt: skip
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: the order within a file and among the rest is kept

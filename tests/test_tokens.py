@@ -439,3 +439,19 @@ def test_later_validation_passes_reuse_the_first_passes_batches(tmp_path: Path) 
     logs = pool.last_logs[0]
     assert sum("kept for later passes" in line for line in logs) == 1, logs
     assert sum("data: first validation batch" in line for line in logs) == 1, logs
+
+
+def test_another_holdout_fraction_is_a_warning_not_a_new_split(tmp_path, tok, spec, caplog):
+    from titanlite.data import build_dataloader
+
+    out = tmp_path / "tokens"
+    pretokenize(spec, tok, out, shard_tokens=500, progress=False)
+    other = DataSpec(dataset_path=str(out), seq_len=16, local_batch_size=2, validation_fraction=0.3)
+    with caplog.at_level("WARNING"):
+        build_dataloader(tok, other, 0, 1)
+    assert "made at validation_fraction 0.1" in caplog.text and "0.3 does not change" in caplog.text
+    caplog.clear()
+    same = DataSpec(dataset_path=str(out), seq_len=16, local_batch_size=2, validation_fraction=0.1)
+    with caplog.at_level("WARNING"):
+        build_dataloader(tok, same, 0, 1)
+    assert "validation_fraction" not in caplog.text

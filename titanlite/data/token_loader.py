@@ -12,6 +12,7 @@ windows in order, one finite pass, the partial end padded as in the text loader.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,8 @@ from titanlite.data.spec import SPLITS, DataSpec, Split
 from titanlite.data.tokenizer import Tokenizer
 from titanlite.data.tokens import TokenFolder
 from titanlite.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 STATE_FORMAT = 1
 _ROUNDS = 4
@@ -73,6 +76,13 @@ class TokenLoader:
                 f"({self.folder.meta['tokenizer_path']}, fingerprint {self.folder.meta['tokenizer']}) "
                 f"than {str(tokenizer.path)!r}; use that tokenizer or pretokenize again"
             )
+        fraction = self.folder.meta.get("validation_fraction")
+        if split == "train" and fraction is not None and fraction != spec.validation_fraction:
+            logger.warning(
+                "%s: its held-out split was made at validation_fraction %s when it was "
+                "pre-tokenized; this run's %s does not change it",
+                spec.dataset_path, fraction, spec.validation_fraction,
+            )  # fmt: skip
         self.spec, self.split = spec, split
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.window = spec.seq_len + 1

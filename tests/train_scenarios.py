@@ -100,3 +100,121 @@ def validate_twice(rank: int, world: int, argv: list[str]) -> list[dict] | None:
         return None
     lines = (Path(cfg.job.dump_folder) / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r.get("kind") == "validation"]
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Records every read of a tensor's value into Python (item, int(), float(), bool(),
+    tolist): on a GPU each is a device-to-host synchronization. Each entry is (the read,
+    where: the innermost titanlite function, else the innermost torch module)."""
+
+    READS = frozenset({"item", "__int__", "__float__", "__bool__", "__index__", "tolist"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[tuple[str, str]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        name = getattr(func, "__name__", "")
+        if name in self.READS:
+            self.reads.append((name, _call_site()))
+        return func(*args, **(kwargs or {}))
+
+
+# Frames that only pass a call on: this module's wrappers and torch's dispatch plumbing.
+_PLUMBING = ("train_scenarios", "torch.overrides", "torch.distributed.c10d_logger",
+             "torch.distributed.distributed_c10d", "torch.utils._python_dispatch")  # fmt: skip
+
+
+def _call_site() -> str:
+    """Who made the call: "titanlite.MODULE.FUNCTION", or "torch.MODULE" for torch's own
+    code (FSDP, DTensor, the optimizers), skipping the frames that only pass it on."""
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if not module.startswith(_PLUMBING):
+            if module.startswith("titanlite."):
+                return f"{module}.{frame.f_code.co_name}"
+            return module
+        frame = frame.f_back
+    return "?"
+
+
+COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+    "reduce_scatter", "broadcast", "barrier", "all_to_all_single", "all_gather_object",
+    "broadcast_object_list", "send", "recv", "isend", "irecv", "batch_isend_irecv", "gather",
+    "scatter", "reduce", "monitored_barrier",
+)  # fmt: skip
+
+
+def step_work(rank: int, world: int, argv: list[str], step: int) -> dict[str, list] | None:
+    """Train as `train` does while recording what training step ``step`` (all of it: data,
+    the step, the checks after it) asks of the host and the network: host reads of tensor
+    values, torch.distributed calls (with async_op) and functional collectives (DTensor,
+    tensor parallelism). Rank 0 returns the lists."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    cfg = load_config(["--job.config_file", DEBUG_CONFIG, *argv])
+    trainer = Trainer(cfg)
+    reads = _HostReads()
+    calls: list[tuple[str, bool, str]] = []
+    functional: list[str] = []
+    active = [False]
+    originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+
+    depth = [0]
+
+    def counted(name: str, fn):  # noqa: ANN001, ANN202
+        def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            # torch.distributed's functions re-dispatch through torch-function modes (our
+            # _HostReads): count the outermost call only.
+            if active[0] and depth[0] == 0:
+                calls.append((name, bool(kwargs.get("async_op", False)), _call_site()))
+            depth[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        return wrapper
+
+    class Functional(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            if func.namespace in ("c10d", "_c10d_functional") or func.__name__.startswith(
+                "_local_scalar_dense"
+            ):
+                functional.append(f"{func.namespace}.{func.__name__.split('.')[0]}")
+            return func(*args, **(kwargs or {}))
+
+    dispatch = Functional()
+    batches = trainer.train_iter
+
+    class Watch:
+        def __next__(self):  # noqa: ANN204 - called once per micro-batch, first thing in a step
+            if trainer.state.step == step and not active[0]:
+                active[0] = True
+                reads.__enter__()
+                dispatch.__enter__()
+            elif trainer.state.step == step + 1 and active[0]:
+                active[0] = False
+                dispatch.__exit__(None, None, None)
+                reads.__exit__(None, None, None)
+            return next(batches)
+
+    trainer.train_iter = Watch()
+    for module in (dist, distributed_c10d):
+        for name, fn in originals.items():
+            if hasattr(module, name):
+                setattr(module, name, counted(name, fn))
+    try:
+        trainer.train()
+    finally:
+        for module in (dist, distributed_c10d):
+            for name, fn in originals.items():
+                if hasattr(module, name):
+                    setattr(module, name, fn)
+        trainer.close()
+    return {"reads": reads.reads, "calls": calls, "functional": functional} if rank == 0 else None

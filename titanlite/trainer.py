@@ -12,6 +12,7 @@ import signal
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -90,6 +91,7 @@ class Trainer:
         # From the start: a preemption signal during a long start-up (model build, loading a
         # checkpoint) must not kill the process before it can exit with EXIT_PREEMPTED.
         self.preempt_signal: int | None = None
+        self._vote: tuple[Any, torch.Tensor] | None = None  # the preemption vote in flight
         self._install_signal_handlers()
 
         # 1. Processes, devices and the layout.
@@ -204,14 +206,16 @@ class Trainer:
                 ]
                 window_data_s += time.perf_counter() - t0
                 with self.step_logger.sync_check():
-                    loss, n_tokens, grad_norm = self.train_step(batches)
+                    loss_sum, n_tokens, grad_norm = self.train_step(batches)
                 if self.state.step == first_step:
                     self.step_logger.startup_done(self.startup)
                 window_tokens += sum(y.numel() for _, y in batches)  # this rank's tokens
-                self.state.tokens_seen += n_tokens
+                self.state.add_tokens(n_tokens)
 
                 step = self.state.step
                 if step == first_step or step % cfg.metrics.log_freq == 0 or step == total:
+                    # Only a logged step reduces its loss and reads values on the host.
+                    loss = self.global_loss(loss_sum, n_tokens)
                     now = time.perf_counter()
                     eta = (now - start) / (step - first_step + 1) * (total - step)
                     self._check_finite(loss, grad_norm)
@@ -236,6 +240,7 @@ class Trainer:
                 self.checkpointer.poll()
                 window_start += time.perf_counter() - paused
                 profiler.step()
+        self._settle_vote()
         if self.mixture:
             self._log_mixture()
         logger.info(
@@ -244,15 +249,17 @@ class Trainer:
 
     def train_step(
         self, batches: list[tuple[torch.Tensor, torch.Tensor]]
-    ) -> tuple[torch.Tensor, int, torch.Tensor]:
-        """One optimizer step over the micro-batches; returns (global mean loss, global target
-        tokens, gradient norm before clipping)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One optimizer step over the micro-batches; returns (this rank's loss sum, global
+        target tokens, gradient norm before clipping), all on the device and unread: the
+        mean loss is ``global_loss`` of the first two."""
         loss_group = self.dims.group("loss")
         # Every rank needs the global count of target tokens before backward: the loss is
-        # a sum divided by it, so accumulation, parallelism and padding never change it.
+        # a sum divided by it, so accumulation, parallelism and padding never change it. It
+        # stays a device tensor (no host synchronization; NCCL reduces it asynchronously).
         local_tokens = sum((y != IGNORE_INDEX).sum() for _, y in batches)
-        n_tokens = int(
-            distributed.all_reduce(torch.as_tensor(local_tokens), dist.ReduceOp.SUM, loss_group)
+        n_tokens = distributed.all_reduce(
+            torch.as_tensor(local_tokens).to(self.device), dist.ReduceOp.SUM, loss_group
         )
         # Data-parallel engines average gradients over the batch (x cp) ranks; undo that.
         scale = self.dims.grad_average_size / n_tokens
@@ -279,8 +286,13 @@ class Trainer:
             self.model_state = model_state_bytes(self.model.parts, self.optimizers)
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
-        loss = distributed.all_reduce(loss_sum, dist.ReduceOp.SUM, loss_group) / n_tokens
-        return loss, n_tokens, grad_norm
+        return loss_sum, n_tokens, grad_norm
+
+    def global_loss(self, loss_sum: torch.Tensor, n_tokens: torch.Tensor) -> torch.Tensor:
+        """The step's mean loss over every target token of the global batch (a collective
+        over the loss group: every rank of it calls this at the same steps)."""
+        loss_group = self.dims.group("loss")
+        return distributed.all_reduce(loss_sum, dist.ReduceOp.SUM, loss_group) / n_tokens
 
     def _check_finite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         if not torch.isfinite(loss).item() or not torch.isfinite(grad_norm).item():
@@ -301,14 +313,30 @@ class Trainer:
             signal.signal(sig, request_stop)
 
     def _preemption_requested(self) -> bool:
-        """Whether any rank got a stop signal: all ranks must stop at the same step."""
+        """Whether any rank got a stop signal: all ranks must stop at the same step.
+
+        The vote is an asynchronous all-reduce started at the end of each step and read at
+        the end of the next, so no step waits for the slowest rank's vote: every rank stops
+        one step after the step at which the first signal was seen (and all at the same one).
+        """
         if self.dist.world_size == 1:
             return self.preempt_signal is not None
-        flag = torch.tensor(int(self.preempt_signal is not None))
-        stop = int(distributed.all_reduce(flag, dist.ReduceOp.MAX))
-        if stop and self.preempt_signal is None:
-            self.preempt_signal = -1  # another rank's signal
-        return bool(stop)
+        if self._settle_vote():
+            if self.preempt_signal is None:
+                self.preempt_signal = -1  # another rank's signal
+            return True
+        flag = torch.tensor(int(self.preempt_signal is not None))  # CPU: over gloo
+        self._vote = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+        return False
+
+    def _settle_vote(self) -> bool:
+        """Wait for the vote in flight (started a step ago); whether any rank voted to stop."""
+        if self._vote is None:
+            return False
+        work, flag = self._vote
+        self._vote = None
+        work.wait()
+        return bool(int(flag))
 
     # ------------------------------------------------------------------ validation
     def _log_mixture(self) -> None:

@@ -133,14 +133,29 @@ class LRSchedulerState(Stateful):
 @dataclasses.dataclass
 class TrainState(Stateful):
     step: int = 0
-    tokens_seen: int = 0
+    _tokens_seen: int = 0
+    # Steps' global token counts still on the device: reading one is a device-to-host
+    # synchronization, so they are added up there and read only when tokens_seen is.
+    _pending: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def tokens_seen(self) -> int:
+        if self._pending is not None:
+            self._tokens_seen += int(self._pending)
+            self._pending = None
+        return self._tokens_seen
+
+    def add_tokens(self, count: torch.Tensor) -> None:
+        """Add a step's global target-token count (a device tensor) without reading it."""
+        self._pending = count if self._pending is None else self._pending + count
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "tokens_seen": self.tokens_seen}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
-        self.tokens_seen = int(state["tokens_seen"])
+        self._tokens_seen = int(state["tokens_seen"])
+        self._pending = None
 
 
 class RNGState(Stateful):

@@ -1,0 +1,56 @@
+"""What a training step asks of the host and the network (issue 13, per-step stalls).
+
+A step that is not logged must make no device-to-host synchronization and no blocking CPU
+collective of titanlite's own beyond the global target-token count: the loss is reduced and
+read only at log steps, the token count stays on the device, and the preemption vote is an
+asynchronous all-reduce read one step later. tests/train_scenarios.step_work records, during
+one whole step (data, the step, the checks after it), every read of a tensor's value into
+Python and every torch.distributed call with its caller.
+"""
+
+from __future__ import annotations
+
+import pytest
+import train_scenarios
+from pool import get_pool
+
+pytestmark = pytest.mark.slow
+
+ARGS = [
+    "--training.steps", "6", "--metrics.log_freq", "5", "--validation.enable", "false",
+    "--checkpoint.enable", "false", "--training.seq_len", "64", "--model.n_layers", "2",
+    "--training.local_batch_size", "2",
+]  # fmt: skip
+LAYOUTS = {
+    "dp_shard=2": (2, []),
+    "dp_shard=2xtp=2": (4, ["--parallelism.tensor_parallel_degree", "2"]),
+    "dp_replicate=2xdp_shard=2": (4, ["--parallelism.data_parallel_replicate_degree", "2"]),
+}
+# The documented list (docs/performance.md, "What a step waits for"): titanlite's own calls
+# in a step that is not logged.
+TOKEN_COUNT = ("all_reduce", False, "titanlite.distributed.all_reduce")
+VOTE = ("all_reduce", True, "titanlite.trainer._preemption_requested")
+VOTE_READ = ("__int__", "titanlite.trainer._settle_vote")  # a CPU tensor: no device sync
+
+
+def work(tmp_path, layout: str, step: int) -> dict[str, list]:
+    world, extra = LAYOUTS[layout]
+    argv = [*ARGS, *extra, "--job.dump_folder", str(tmp_path / "run")]
+    return get_pool(world).run(train_scenarios.step_work, argv=argv, step=step)[0]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_step_that_is_not_logged_waits_only_for_the_token_count(tmp_path, layout):
+    got = work(tmp_path, layout, step=3)
+    assert got["reads"] == [VOTE_READ]
+    own = [c for c in got["calls"] if c[2].startswith("titanlite.")]
+    assert own == [TOKEN_COUNT, VOTE]
+    # The rest is the data-parallel engine's own (HSDP: FSDP all-reduces across replicas).
+    assert all(c[2].startswith("torch.distributed.fsdp") for c in got["calls"] if c not in own)
+
+
+def test_a_logged_step_also_reduces_and_reads_the_loss(tmp_path):
+    got = work(tmp_path, "dp_shard=2", step=5)
+    own = [c for c in got["calls"] if c[2].startswith("titanlite.")]
+    assert own == [TOKEN_COUNT, TOKEN_COUNT, VOTE]  # the second one: the loss sum, for the log
+    assert len(got["reads"]) > 1 and VOTE_READ in got["reads"]

@@ -29,7 +29,7 @@ LAYOUTS = {
 # The documented list (docs/performance.md, "What a step waits for"): titanlite's own calls
 # in a step that is not logged.
 TOKEN_COUNT = ("all_reduce", False, "titanlite.distributed.all_reduce")
-VOTE = ("all_reduce", True, "titanlite.trainer._preemption_requested")
+VOTE = ("all_reduce", True, "titanlite.trainer._start_vote")
 VOTE_READ = ("__int__", "titanlite.trainer._settle_vote")  # a CPU tensor: no device sync
 
 
@@ -54,3 +54,22 @@ def test_a_logged_step_also_reduces_and_reads_the_loss(tmp_path):
     own = [c for c in got["calls"] if c[2].startswith("titanlite.")]
     assert own == [TOKEN_COUNT, TOKEN_COUNT, VOTE]  # the second one: the loss sum, for the log
     assert len(got["reads"]) > 1 and VOTE_READ in got["reads"]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_interval_minutes_saves_on_every_rank_at_the_same_step(tmp_path, world):
+    """A time-based save (interval_minutes so small that every step is due): one process
+    saves at once, several ranks one step after the vote; the step interval is far away."""
+    out = tmp_path / "run"
+    argv = [
+        *ARGS, "--checkpoint.enable", "true", "--checkpoint.interval", "1000",
+        "--checkpoint.interval_minutes", "1e-9", "--checkpoint.keep_latest_k", "0",
+        "--job.dump_folder", str(out), "--parallelism.data_parallel_shard_degree", str(world),
+    ]  # fmt: skip
+    pool = get_pool(world)
+    pool.run(train_scenarios.train, argv=argv)
+    saved = sorted(int(p.name.split("-")[1]) for p in (out / "checkpoint").glob("step-*"))
+    first = 1 if world == 1 else 2
+    assert saved == list(range(first, 7))  # 6 is also the last step
+    logs = pool.last_logs[0]
+    assert any("saving at step 3: checkpoint.interval_minutes passed" in line for line in logs)

@@ -91,7 +91,8 @@ class Trainer:
         # From the start: a preemption signal during a long start-up (model build, loading a
         # checkpoint) must not kill the process before it can exit with EXIT_PREEMPTED.
         self.preempt_signal: int | None = None
-        self._vote: tuple[Any, torch.Tensor] | None = None  # the preemption vote in flight
+        self._vote: tuple[Any, torch.Tensor] | None = None  # the vote in flight (_read_vote)
+        self._last_save = time.monotonic()  # for checkpoint.interval_minutes
         self._install_signal_handlers()
 
         # 1. Processes, devices and the layout.
@@ -228,15 +229,20 @@ class Trainer:
                 paused = time.perf_counter()
                 if cfg.validation.enable and (step % cfg.validation.freq == 0 or step == total):
                     self.validate()
-                if self._preemption_requested():
+                stop, timed_save = self._read_vote()
+                if stop:
                     if cfg.checkpoint.enable:
                         self.checkpointer.save(step, force_sync=True)
                     raise Preempted(
                         f"stopped at step {step} on signal {self.preempt_signal}"
                         + ("; checkpoint saved" if cfg.checkpoint.enable else "")
                     )
-                if self.checkpointer.should_save(step, last=step == total):
+                if self.checkpointer.should_save(step, last=step == total) or timed_save:
+                    if timed_save:
+                        logger.info("saving at step %d: checkpoint.interval_minutes passed", step)
                     self.checkpointer.save(step, last=step == total)
+                    self._last_save = time.monotonic()
+                self._start_vote()
                 self.checkpointer.poll()
                 window_start += time.perf_counter() - paused
                 profiler.step()
@@ -312,31 +318,44 @@ class Trainer:
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, request_stop)
 
-    def _preemption_requested(self) -> bool:
-        """Whether any rank got a stop signal: all ranks must stop at the same step.
+    def _save_due(self) -> bool:
+        """Whether checkpoint.interval_minutes have passed since the last save, by this
+        rank's clock."""
+        c = self.cfg.checkpoint
+        minutes = c.interval_minutes
+        return c.enable and minutes > 0 and time.monotonic() - self._last_save >= 60 * minutes
 
-        The vote is an asynchronous all-reduce started at the end of each step and read at
-        the end of the next, so no step waits for the slowest rank's vote: every rank stops
-        one step after the step at which the first signal was seen (and all at the same one).
+    def _read_vote(self) -> tuple[bool, bool]:
+        """(whether any rank got a stop signal, whether any rank's clock says a timed save is
+        due): every rank must stop, or save, at the same step.
+
+        With several ranks this is the vote started at the end of the previous step (an
+        asynchronous all-reduce, ``_start_vote``), so no step waits for the slowest rank's
+        vote: every rank acts one step after the first rank saw the signal or the time.
         """
         if self.dist.world_size == 1:
-            return self.preempt_signal is not None
-        if self._settle_vote():
-            if self.preempt_signal is None:
-                self.preempt_signal = -1  # another rank's signal
-            return True
-        flag = torch.tensor(int(self.preempt_signal is not None))  # CPU: over gloo
-        self._vote = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
-        return False
+            return self.preempt_signal is not None, self._save_due()
+        votes = self._settle_vote()
+        stop = bool(votes & 1)
+        if stop and self.preempt_signal is None:
+            self.preempt_signal = -1  # another rank's signal
+        return stop, bool(votes & 2)
 
-    def _settle_vote(self) -> bool:
-        """Wait for the vote in flight (started a step ago); whether any rank voted to stop."""
+    def _start_vote(self) -> None:
+        if self.dist.world_size == 1:
+            return
+        votes = int(self.preempt_signal is not None) | (int(self._save_due()) << 1)
+        flag = torch.tensor(votes)  # CPU: over gloo
+        self._vote = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+
+    def _settle_vote(self) -> int:
+        """Wait for the vote in flight (started a step ago); its result (0 when none)."""
         if self._vote is None:
-            return False
+            return 0
         work, flag = self._vote
         self._vote = None
         work.wait()
-        return bool(int(flag))
+        return int(flag)
 
     # ------------------------------------------------------------------ validation
     def _log_mixture(self) -> None:

@@ -194,6 +194,8 @@ class Checkpoint:
     """Checkpoint folder, under job.dump_folder; each save is a step-N folder inside it."""
     interval: int = 500
     """Save every this many steps (and always after the last step)."""
+    interval_minutes: float = 0.0
+    """Also save once this many minutes have passed since the last save (or the start), at whatever step: every rank saves at the same step (0 = steps only)."""
     keep_latest_k: int = 3
     """Keep this many complete checkpoints, deleting older ones only after a newer one is complete (0 = keep all)."""
     load_step: int = -1

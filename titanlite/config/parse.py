@@ -409,6 +409,7 @@ def validate(cfg: JobConfig) -> None:
     require(p.ddp_bucket_cap_mb > 0, "parallelism.ddp_bucket_cap_mb", "must be > 0")
     c = cfg.checkpoint
     require(c.interval >= 1, "checkpoint.interval", "must be at least 1")
+    require(c.interval_minutes >= 0, "checkpoint.interval_minutes", "must be >= 0 (0 = off)")
     require(c.keep_latest_k >= 0, "checkpoint.keep_latest_k", "must be >= 0 (0 keeps all)")
     require(c.load_step == -1 or c.load_step >= 0, "checkpoint.load_step", "must be -1 or >= 0")
     require(

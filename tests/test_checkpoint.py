@@ -290,6 +290,20 @@ def test_sigterm_and_sigusr1_save_exit_75_and_resume_exactly(
     assert_same_losses(out, base, range(1, STEPS + 1))
 
 
+def test_sigterm_during_startup_exits_75_without_a_save(tmp_path: Path) -> None:
+    """SIGTERM while the trainer is still starting (its handlers are in place once the world
+    size is logged; model, data and checkpoint come after): status 75 before any step, and no
+    checkpoint written."""
+    out = tmp_path / "run"
+    job = Started(out)
+    job.wait_until("start-up has begun", lambda: "world size 1" in job.log.read_text())
+    job.proc.send_signal(signal.SIGTERM)
+    assert job.wait() == EXIT_PREEMPTED, job.output()
+    assert "stopped during start-up on signal 15, before step 1" in job.output()
+    assert not records(out) or not last_losses(out)  # no step ran
+    assert not list((out / "checkpoint").glob("step-*"))
+
+
 def test_sigterm_through_run_train_exits_75(tmp_path: Path) -> None:
     """SLURM preemption signals every process of the job step: run_train.sh, torchrun and
     the ranks. The ranks save; the launcher must exit with 75 too, or nothing requeues."""

@@ -197,6 +197,7 @@ class Trainer:
         start = time.perf_counter()
         window_start, window_tokens, window_data_s = start, 0, 0.0
         first_step = self.state.step + 1
+        self._stop_if_signalled_during_startup()
         with profiling(cfg, self.dump_folder, self.dist.rank, first_step) as profiler:
             while self.state.step < total:
                 self.state.step += 1
@@ -317,6 +318,21 @@ class Trainer:
 
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, request_stop)
+
+    def _stop_if_signalled_during_startup(self) -> None:
+        """A stop signal that came during start-up (model build, checkpoint load): exit
+        before the first step, with nothing new to save (one blocking vote, once)."""
+        signalled = self.preempt_signal is not None
+        if self.dist.world_size > 1:
+            flag = torch.tensor(int(signalled))
+            signalled = bool(int(distributed.all_reduce(flag, dist.ReduceOp.MAX)))
+        if signalled:
+            if self.preempt_signal is None:
+                self.preempt_signal = -1  # another rank's signal
+            raise Preempted(
+                f"stopped during start-up on signal {self.preempt_signal}, before step "
+                f"{self.state.step + 1}; nothing new to save"
+            )
 
     def _save_due(self) -> bool:
         """Whether checkpoint.interval_minutes have passed since the last save, by this

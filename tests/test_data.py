@@ -159,7 +159,9 @@ def test_sotu_batches_and_resume(tok: Tokenizer, monkeypatch: pytest.MonkeyPatch
     assert x[0, 0] == tok.bos_id  # the stream starts with a document
     assert " the " in tok.decode(x[0].tolist())
     state = loader.state_dict()
-    assert state["dataset_state"] and state["epoch"] == 0  # mid-epoch, after several reads
+    # Inside the first round read (about 64 K tokens): its start, and how far into it.
+    assert state["epoch"] == 0 and state["skip"] == 10 * 8 * 257
+    assert len(json.dumps(state)) < 1000  # no tokens in it: its size does not grow
     continuing = take(loader, 10)
     spec2 = DataSpec(seq_len=256, local_batch_size=4)
     ranks = [continue_from(state, tok, spec2, r, 2, 10) for r in range(2)]
@@ -505,3 +507,34 @@ def test_hub_dataset_offline_fails_fast_in_one_line(tok: Tokenizer) -> None:
         build_dataloader(tok, DataSpec(dataset="no-such-org/no-such-set"), 0, 1, "train")
     assert time.perf_counter() - started < 5
     assert "\n" not in str(info.value)
+
+
+def test_saved_state_does_not_grow_with_the_data_parallel_degree(tok: Tokenizer, corpus: Path):
+    """Rank 0 of 64 (a global chunk of 128 windows) saves a position of constant size, which
+    one process resumes exactly; a format-1 state (position after the rounds read, plus the
+    unused tokens) still loads."""
+    one = spec_for(corpus, seq_len=16, local_batch_size=128)
+    reference = stacked(take(build_dataloader(tok, one, 0, 1, "train"), 8))
+    wide = build_dataloader(tok, spec_for(corpus, seq_len=16, local_batch_size=2), 0, 64, "train")
+    take(wide, 3)
+    state = wide.state_dict()
+    assert state["format"] == 2 and "tokens" not in state and len(json.dumps(state)) < 1000
+    assert torch.equal(stacked(continue_from(state, tok, one, 0, 1, 5)), reference[3 * 128 :])
+
+    # What an older titanlite saved at the same point.
+    older = build_dataloader(tok, one, 0, 1, "train")
+    take(older, 3)
+    legacy = {**older.state_dict(), "format": 1, "tokens": older._tokens.tolist()}
+    position = older._position
+    legacy.update(
+        epoch=position.epoch, epoch_documents=position.epoch_documents,
+        exhausted=position.exhausted,
+        dataset_state=json.dumps(position.dataset_state) if position.dataset_state else "",
+    )  # fmt: skip
+    del legacy["skip"]
+    resumed = build_dataloader(tok, one, 0, 1, "train")
+    resumed.load_state_dict(legacy)
+    assert resumed.state_dict()["format"] == 1  # its tokens cannot be read again: kept
+    assert torch.equal(stacked(take(resumed, 1)), reference[3 * 128 : 4 * 128])
+    again = resumed.state_dict()
+    assert torch.equal(stacked(continue_from(again, tok, one, 0, 1, 4)), reference[4 * 128 :])

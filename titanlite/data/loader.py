@@ -10,6 +10,7 @@ loaded under a different degree.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import time
@@ -31,7 +32,10 @@ logger = logging.getLogger(__name__)
 IGNORE_INDEX = -100
 """Label of padded positions (only in the last batch of a validation pass)."""
 
-STATE_FORMAT = 1
+STATE_FORMAT = 2
+"""2: the position is the start of the oldest round not yet used up, plus how many of its
+tokens were (constant size; the round is read again on resume). 1 (still loaded): the
+position after the rounds read, plus every token read but not yet used."""
 # Text read per round: enough for one global chunk (about 4 characters per token in English
 # BPE) and at least _MIN_READ_CHARS, so that several documents are encoded in parallel. The
 # tokens read but not yet used (about a round's worth) are part of the saved state.
@@ -91,6 +95,13 @@ class PackedLoader:
         self.close()
         self._position = Position()  # of the document stream, after the last round applied
         self._tokens = np.empty(0, dtype=np.int32)  # read, tokenized, not yet in a window
+        # The rounds whose tokens are (partly) in _tokens: (position before it, its size);
+        # the first one's first _used tokens are gone. The saved state is the first entry's
+        # position and _used, so it does not grow with the batch or the data-parallel degree.
+        # An entry without a position holds tokens loaded from a format-1 state.
+        self._buffered: collections.deque[tuple[Position | None, int]] = collections.deque()
+        self._used = 0
+        self._discard = 0  # tokens to drop from the next rounds read (set by a resume)
         self._windows_consumed = 0  # global windows handed out (all ranks together)
         self._tokens_read = 0
         self._started = time.perf_counter()
@@ -134,14 +145,26 @@ class PackedLoader:
         chunk = self.spec.local_batch_size * self.dp_world_size
         needed = chunk * window
         while self._tokens.size < needed and not self._position.exhausted:
+            before = self._position
             round_ = self._next_round()
-            if round_.tokens.size:
-                self._tokens = np.concatenate([self._tokens, round_.tokens])
-                self._tokens_read += round_.tokens.size
             self._position = round_.after
+            tokens = round_.tokens
+            if self._discard:  # used before the resume: read again only to find the cut
+                drop = min(self._discard, tokens.size)
+                self._discard -= drop
+                if drop < tokens.size:
+                    self._buffered.append((before, tokens.size))
+                    self._used = drop
+                tokens = tokens[drop:]
+            elif tokens.size:
+                self._buffered.append((before, tokens.size))
+            if tokens.size:
+                self._tokens = np.concatenate([self._tokens, tokens])
+                self._tokens_read += tokens.size
         if self._tokens.size >= needed:
             block = self._tokens[:needed].reshape(chunk, window)
             self._tokens = self._tokens[needed:]
+            self._use(needed)
             self._windows_consumed += chunk
             first = self.dp_rank * self.spec.local_batch_size
             mine = torch.from_numpy(block[first : first + self.spec.local_batch_size])
@@ -163,11 +186,18 @@ class PackedLoader:
     def _last_padded_batch(self, chunk: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The rest of a validation pass as one global chunk (see ``padded_chunk``)."""
         tokens = torch.from_numpy(self._tokens).to(torch.int64)
+        self._use(self._tokens.size)
         self._tokens = np.empty(0, dtype=np.int32)
         self._windows_consumed += chunk
         first = self.dp_rank * self.spec.local_batch_size
         rows = slice(first, first + self.spec.local_batch_size)
         return padded_chunk(tokens, chunk, window, self._input_pad_id, rows)
+
+    def _use(self, count: int) -> None:
+        """``count`` tokens left the buffer: forget the rounds they used up."""
+        self._used += count
+        while self._buffered and self._used >= self._buffered[0][1]:
+            self._used -= self._buffered.popleft()[1]
 
     def _maybe_log_throughput(self) -> None:
         now = time.perf_counter()
@@ -199,12 +229,20 @@ class PackedLoader:
         """The global stream position as plain Python values, identical on every rank.
 
         Flat, with fixed keys (friendly to torch.distributed.checkpoint); the dataset's own
-        nested state is kept as a JSON string. Rounds read ahead but not yet used are not
-        part of it: they are read again after a resume.
+        nested state is kept as a JSON string. Its size does not depend on the batch or the
+        data-parallel degree: the position is where the oldest round still in use began and
+        ``skip`` how many of the tokens from there were used (a resume reads that round
+        again). Rounds read ahead but not yet used are not part of it either.
         """
-        position = self._position
-        return {
-            "format": STATE_FORMAT,
+        legacy = bool(self._buffered) and self._buffered[0][0] is None
+        if legacy:  # tokens loaded from a format-1 state are still in use: save them alike
+            position, skip = self._position, 0
+        elif self._buffered:
+            position, skip = self._buffered[0][0], self._used
+        else:
+            position, skip = self._position, self._discard
+        state = {
+            "format": 1 if legacy else STATE_FORMAT,
             **self._identity(),
             "tokenizer": self.tokenizer.fingerprint,
             "epoch": position.epoch,
@@ -212,12 +250,16 @@ class PackedLoader:
             "windows_consumed": self._windows_consumed,
             "exhausted": position.exhausted,
             "dataset_state": json.dumps(position.dataset_state) if position.dataset_state else "",
-            "tokens": self._tokens.tolist(),
         }
+        if legacy:
+            state["tokens"] = self._tokens.tolist()
+        else:
+            state["skip"] = skip
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue exactly where ``state`` was saved (any data-parallel degree)."""
-        if state.get("format") != STATE_FORMAT:
+        if state.get("format") not in (1, STATE_FORMAT):
             raise UserError(
                 f"data loader state has format {state.get('format')!r}, expected {STATE_FORMAT}; "
                 "it was saved by an incompatible titanlite version"
@@ -241,7 +283,12 @@ class PackedLoader:
             exhausted=bool(state["exhausted"]),
         )
         self._windows_consumed = int(state["windows_consumed"])
-        self._tokens = np.asarray(state["tokens"], dtype=np.int32)
+        if state["format"] == 1:
+            self._tokens = np.asarray(state["tokens"], dtype=np.int32)
+            if self._tokens.size:
+                self._buffered.append((None, self._tokens.size))
+        else:
+            self._discard = int(state["skip"])
 
 
 def padded_chunk(

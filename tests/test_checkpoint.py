@@ -25,6 +25,7 @@ import train_scenarios
 from conftest import REPO, subprocess_env
 from pool import get_pool
 
+from titanlite.checkpoint import integrity
 from titanlite.checkpoint.folders import read_sidecar
 from titanlite.errors import EXIT_PREEMPTED, UserError
 
@@ -360,6 +361,12 @@ def _bytes_entry_pointing_at_a_pickle(ckpt: Path, marker: Path) -> None:
     (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
 
 
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
 BAD = {
     # case: (steps to copy from the baseline, how to spoil them, extra arguments, words in the error)
     "load_step_missing": ((4, 8), None, ["--checkpoint.load_step", "7"], ["load_step", "step-7"]),
@@ -367,12 +374,23 @@ BAD = {
         (4, 8),
         lambda c, m: os.truncate(c / "__0_0.distcp", (c / "__0_0.distcp").stat().st_size // 2),
         [],
-        ["step-8", "unreadable"],
+        ["step-8", "damaged", "__0_0.distcp: truncated", "--checkpoint.load_step 4"],
     ),
     "garbage_shard": (
         (4, 8),
         lambda c, m: (c / "__0_0.distcp").write_bytes(
             os.urandom((c / "__0_0.distcp").stat().st_size)
+        ),
+        [],
+        ["step-8", "__0_0.distcp: checksum mismatch", "previous complete checkpoint is step 4"],
+    ),
+    "flipped_byte": ((4, 8), lambda c, m: _flip_byte(c / "__0_0.distcp"), [], ["checksum"]),
+    # A checkpoint from before checksums: DCP itself finds the damage.
+    "truncated_unchecked": (
+        (8,),
+        lambda c, m: (
+            [p.unlink() for p in c.glob("__*.sha256.json")]
+            and os.truncate(c / "__0_0.distcp", (c / "__0_0.distcp").stat().st_size // 2)
         ),
         [],
         ["step-8", "unreadable"],
@@ -472,6 +490,8 @@ def test_async_saves_do_not_change_training_and_resume_exactly(
     for s in (4, 8):
         meta = read_sidecar(async_export_run / "checkpoint" / f"step-{s}")
         assert meta["states"]["train_state"]["step"] == s and not meta["model_only"]
+        # Written in the background, checksummed there too.
+        assert integrity.recorded(async_export_run / "checkpoint" / f"step-{s}")
 
     out = tmp_path / "run"
     copy_steps(async_export_run, out, 8)
@@ -526,3 +546,29 @@ def test_initial_load_path_loads_weights_and_starts_at_step_1(
     assert sorted(losses) == [1, 2]
     assert losses[1] < base[1] - 0.5, (losses[1], base[1])
     assert abs(losses[1] - base[STEPS]) < 0.5, (losses[1], base[STEPS])
+
+
+def test_verify_checkpoint_script_names_the_damaged_file(
+    tmp_path: Path, baseline: tuple[Path, dict]
+) -> None:
+    base_run, _ = baseline
+    run_dir = tmp_path / "run"
+    copy_steps(base_run, run_dir, 4, 8)
+    folder = run_dir / "checkpoint"
+    script = [sys.executable, str(REPO / "scripts" / "verify_checkpoint.py")]
+
+    def verify(path: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*script, str(path)], capture_output=True, text=True, timeout=300)
+
+    good = verify(folder)
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert good.stdout.count(": ok (") == 2 and "checksums" in good.stdout
+    _flip_byte(folder / "step-8" / "__0_0.distcp")
+    bad = verify(folder)
+    assert bad.returncode == 2
+    lines = bad.stdout.splitlines()
+    assert "step-8: DAMAGED: __0_0.distcp: checksum mismatch" in lines[0], lines
+    assert "step-4: ok" in lines[1], lines
+    assert verify(folder / "step-4").returncode == 0
+    missing = verify(tmp_path / "nothing")
+    assert missing.returncode == 2 and "no checkpoint there" in missing.stderr

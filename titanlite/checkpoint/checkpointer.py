@@ -25,10 +25,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
+from titanlite.checkpoint import integrity
 from titanlite.checkpoint.folders import (
     complete_checkpoints,
     fsync_dir,
@@ -37,6 +37,7 @@ from titanlite.checkpoint.folders import (
     read_sidecar,
     write_sidecar,
 )
+from titanlite.checkpoint.integrity import ChecksummingWriter
 from titanlite.checkpoint.safe_reader import SafeFileSystemReader
 from titanlite.config.job_config import Checkpoint as CheckpointConfig
 from titanlite.dtypes import DTYPES
@@ -129,6 +130,7 @@ class Checkpointer:
         self._check_model(path, meta)
         if meta.get("model_only", False):
             keys = [k for k in keys if k == "model"]
+        self._verify(path, int(meta.get("step", -1)))
         reader = SafeFileSystemReader(str(path))
         try:
             saved = reader.read_metadata().state_dict_metadata  # refuse a bad one here
@@ -157,6 +159,29 @@ class Checkpointer:
                 raise UserError(
                     f"checkpoint folder {str(path)!r}: its {key} state does not fit this run ({e})"
                 ) from None
+
+    def _verify(self, path: Path, step: int) -> None:
+        """Check the shard files against their saved checksums before loading any of them,
+        each rank a share; a damaged checkpoint is a one-line error naming a bad file and
+        the previous complete checkpoint (collective: every rank calls it)."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        found = integrity.problems(path, rank, world)[:1]
+        if world > 1:
+            group = dist.new_group(backend="gloo")  # objects over the CPU, whatever the device
+            everyone: list[list[str]] = [[] for _ in range(world)]
+            dist.all_gather_object(everyone, found, group=group)
+            dist.destroy_process_group(group)
+            found = [p for part in everyone for p in part]
+        if not found:
+            return
+        earlier = [s for s, p in complete_checkpoints(self.folder) if s < step and p != path]
+        hint = (
+            f"; the previous complete checkpoint is step {earlier[-1]}: resume from it with "
+            f"--checkpoint.load_step {earlier[-1]}"
+            if earlier and path.parent == self.folder
+            else ""
+        )
+        raise UserError(f"checkpoint folder {str(path)!r} is damaged: {found[0]}{hint}")
 
     def _check_model(self, path: Path, meta: dict[str, Any]) -> None:
         """A checkpoint of another model is refused by name, before DCP sees it."""
@@ -194,7 +219,7 @@ class Checkpointer:
         start = time.perf_counter()
         model_only = last and self.cfg.last_save_model_only
         tensors, sidecar = self._snapshot(step, model_only)
-        writer = FileSystemWriter(str(partial))
+        writer = ChecksummingWriter(str(partial))
         if self.cfg.async_mode == "async" and not force_sync:
             future = dcp.async_save(tensors, storage_writer=writer, process_group=self._async_group)
             self._pending = (future, partial, final, sidecar, start)

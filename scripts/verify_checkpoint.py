@@ -22,16 +22,16 @@ from titanlite.errors import EXIT_USER_ERROR, UserError
 
 def check(folder: Path) -> list[str]:
     """Everything wrong with one step-N folder (empty: sound)."""
-    found = []
+    found, ranks = [], None
     try:
-        read_sidecar(folder)
+        ranks = read_sidecar(folder).get("checksum_ranks")
     except UserError as e:
         found.append(str(e))
     try:
         SafeFileSystemReader(str(folder)).read_metadata()
     except Exception as e:  # noqa: BLE001 - unreadable or refused: both are findings
         found.append(f".metadata: unreadable ({e})")
-    found += integrity.problems(folder)
+    found += integrity.problems(folder, ranks)
     return found
 
 

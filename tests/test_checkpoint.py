@@ -291,12 +291,26 @@ def test_sigterm_and_sigusr1_save_exit_75_and_resume_exactly(
     assert_same_losses(out, base, range(1, STEPS + 1))
 
 
+SLOW_DATA = """
+import time
+import datasets
+_load = datasets.load_dataset
+def _slow_load(*args, **kwargs):
+    time.sleep(3)
+    return _load(*args, **kwargs)
+datasets.load_dataset = _slow_load
+"""
+
+
 def test_sigterm_during_startup_exits_75_without_a_save(tmp_path: Path) -> None:
     """SIGTERM while the trainer is still starting (its handlers are in place once the world
     size is logged; model, data and checkpoint come after): status 75 before any step, and no
     checkpoint written."""
     out = tmp_path / "run"
-    job = Started(out)
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SLOW_DATA)  # start-up outlasts the signal's trip
+    job = Started(out, PYTHONPATH=str(hook))
     job.wait_until("start-up has begun", lambda: "world size 1" in job.log.read_text())
     job.proc.send_signal(signal.SIGTERM)
     assert job.wait() == EXIT_PREEMPTED, job.output()
@@ -361,6 +375,16 @@ def _bytes_entry_pointing_at_a_pickle(ckpt: Path, marker: Path) -> None:
     (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
 
 
+def _as_before_checksums(folder: Path) -> None:
+    """Make a checkpoint look saved before checksums existed (no records, no count)."""
+    for path in folder.glob("__*.sha256.json"):
+        path.unlink()
+    sidecar = folder / "titanlite.json"
+    meta = json.loads(sidecar.read_text())
+    del meta["checksum_ranks"]
+    sidecar.write_text(json.dumps(meta))
+
+
 def _flip_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x10
@@ -389,11 +413,17 @@ BAD = {
     "truncated_unchecked": (
         (8,),
         lambda c, m: (
-            [p.unlink() for p in c.glob("__*.sha256.json")]
-            and os.truncate(c / "__0_0.distcp", (c / "__0_0.distcp").stat().st_size // 2)
+            _as_before_checksums(c)
+            or os.truncate(c / "__0_0.distcp", (c / "__0_0.distcp").stat().st_size // 2)
         ),
         [],
         ["step-8", "unreadable"],
+    ),
+    "checksums_deleted": (
+        (4, 8),
+        lambda c, m: (c / "__0.sha256.json").unlink(),
+        [],
+        ["step-8", "__0.sha256.json: missing", "--checkpoint.load_step 4"],
     ),
     "code_in_metadata": ((8,), _malicious_metadata, [], ["step-8", "refusing", "system"]),
     "code_in_shard": ((8,), _bytes_entry_pointing_at_a_pickle, [], ["step-8"]),

@@ -439,6 +439,13 @@ def test_later_validation_passes_reuse_the_first_passes_batches(tmp_path: Path) 
     logs = pool.last_logs[0]
     assert sum("kept for later passes" in line for line in logs) == 1, logs
     assert sum("data: first validation batch" in line for line in logs) == 1, logs
+    # Over the cache's size (here: 2 of the 3 batches), every pass reads them again.
+    small = 2 * 2 * 64 * 8 * 2  # two batches of 2 x 64 int64 inputs and labels
+    again = pool.run(train_scenarios.validate_twice, argv=argv, cache_bytes=small)[0]
+    assert again[0]["val_loss"] == again[1]["val_loss"] == first["val_loss"]
+    logs = pool.last_logs[0]
+    assert sum("over the 0 MiB cache" in line for line in logs) == 1, logs  # found once
+    assert sum("data: first validation batch" in line for line in logs) == 2, logs
 
 
 def test_another_holdout_fraction_is_a_warning_not_a_new_split(tmp_path, tok, spec, caplog):

@@ -87,14 +87,23 @@ def train_with_rank_seeds(rank: int, world: int, argv: list[str]) -> list[float]
         trainer.close()
 
 
-def validate_twice(rank: int, world: int, argv: list[str]) -> list[dict] | None:
-    """Two validation passes on the initial weights; rank 0 returns both records."""
+def validate_twice(
+    rank: int, world: int, argv: list[str], cache_bytes: int | None = None
+) -> list[dict] | None:
+    """Two validation passes on the initial weights (``cache_bytes``: another size of the
+    kept-batches cache); rank 0 returns both records."""
+    import titanlite.trainer as trainer_module
+
     cfg = load_config(["--job.config_file", DEBUG_CONFIG, "--checkpoint.enable=false", *argv])
     trainer = Trainer(cfg)
+    default = trainer_module.VALIDATION_CACHE_BYTES
+    if cache_bytes is not None:
+        trainer_module.VALIDATION_CACHE_BYTES = cache_bytes
     try:
         trainer.validate()
         trainer.validate()
     finally:
+        trainer_module.VALIDATION_CACHE_BYTES = default
         trainer.close()
     if rank != 0:
         return None
@@ -212,6 +221,9 @@ def step_work(rank: int, world: int, argv: list[str], step: int) -> dict[str, li
     try:
         trainer.train()
     finally:
+        if active[0]:  # the recorded step never ended (it raised): leave no mode behind
+            dispatch.__exit__(None, None, None)
+            reads.__exit__(None, None, None)
         for module in (dist, distributed_c10d):
             for name, fn in originals.items():
                 if hasattr(module, name):

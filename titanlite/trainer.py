@@ -111,7 +111,11 @@ class Trainer:
         # global batches.
         self.data = data_spec(cfg)
         self.mixture = mixture_parts(cfg, self.data)
+        # Every validation pass reads the same batches: the first pass's are kept (within
+        # VALIDATION_CACHE_BYTES per rank), so later ones neither rescan the corpus for the
+        # held-out documents nor tokenize them again.
         self._validation_cache: dict[DataSpec, list] = {}
+        self._validation_uncached: set[DataSpec] = set()
         if self.mixture:
             self.train_loader = MixtureLoader(
                 self.tokenizer, self.mixture, self.dims.batch_rank, self.dims.batch_size
@@ -198,56 +202,61 @@ class Trainer:
         window_start, window_tokens, window_data_s = start, 0, 0.0
         first_step = self.state.step + 1
         self._stop_if_signalled_during_startup()
-        with profiling(cfg, self.dump_folder, self.dist.rank, first_step) as profiler:
-            while self.state.step < total:
-                self.state.step += 1
-                t0 = time.perf_counter()
-                # What this rank uses: under context parallelism its chunks of the labels.
-                batches = [
-                    self.model.local_batch(*next(self.train_iter)) for _ in range(self.accum_steps)
-                ]
-                window_data_s += time.perf_counter() - t0
-                with self.step_logger.sync_check():
-                    loss_sum, n_tokens, grad_norm = self.train_step(batches)
-                if self.state.step == first_step:
-                    self.step_logger.startup_done(self.startup)
-                window_tokens += sum(y.numel() for _, y in batches)  # this rank's tokens
-                self.state.add_tokens(n_tokens)
+        try:
+            with profiling(cfg, self.dump_folder, self.dist.rank, first_step) as profiler:
+                while self.state.step < total:
+                    self.state.step += 1
+                    t0 = time.perf_counter()
+                    # What this rank uses: under context parallelism its chunks of the labels.
+                    batches = [
+                        self.model.local_batch(*next(self.train_iter))
+                        for _ in range(self.accum_steps)
+                    ]
+                    window_data_s += time.perf_counter() - t0
+                    with self.step_logger.sync_check():
+                        loss_sum, n_tokens, grad_norm = self.train_step(batches)
+                    if self.state.step == first_step:
+                        self.step_logger.startup_done(self.startup)
+                    window_tokens += sum(y.numel() for _, y in batches)  # this rank's tokens
+                    self.state.add_tokens(n_tokens)
 
-                step = self.state.step
-                if step == first_step or step % cfg.metrics.log_freq == 0 or step == total:
-                    # Only a logged step reduces its loss and reads values on the host.
-                    loss = self.global_loss(loss_sum, n_tokens)
-                    now = time.perf_counter()
-                    eta = (now - start) / (step - first_step + 1) * (total - step)
-                    self._check_finite(loss, grad_norm)
-                    self.step_logger.log(
-                        loss, grad_norm, now - window_start, window_tokens, window_data_s, eta
-                    )
-                    window_start, window_tokens, window_data_s = time.perf_counter(), 0, 0.0
-                # Validation and checkpoint saves are not training: their time is left out
-                # of the tokens/s window.
-                paused = time.perf_counter()
-                if cfg.validation.enable and (step % cfg.validation.freq == 0 or step == total):
-                    self.validate()
-                stop, timed_save = self._read_vote()
-                if stop:
-                    if cfg.checkpoint.enable:
-                        self.checkpointer.save(step, force_sync=True)
-                    raise Preempted(
-                        f"stopped at step {step} on signal {self.preempt_signal}"
-                        + ("; checkpoint saved" if cfg.checkpoint.enable else "")
-                    )
-                if self.checkpointer.should_save(step, last=step == total) or timed_save:
-                    if timed_save:
-                        logger.info("saving at step %d: checkpoint.interval_minutes passed", step)
-                    self.checkpointer.save(step, last=step == total)
-                    self._last_save = time.monotonic()
-                self._start_vote()
-                self.checkpointer.poll()
-                window_start += time.perf_counter() - paused
-                profiler.step()
-        self._settle_vote()
+                    step = self.state.step
+                    if step == first_step or step % cfg.metrics.log_freq == 0 or step == total:
+                        # Only a logged step reduces its loss and reads values on the host.
+                        loss = self.global_loss(loss_sum, n_tokens)
+                        now = time.perf_counter()
+                        eta = (now - start) / (step - first_step + 1) * (total - step)
+                        self._check_finite(loss, grad_norm)
+                        self.step_logger.log(
+                            loss, grad_norm, now - window_start, window_tokens, window_data_s, eta
+                        )
+                        window_start, window_tokens, window_data_s = time.perf_counter(), 0, 0.0
+                    # Validation and checkpoint saves are not training: their time is left out
+                    # of the tokens/s window.
+                    paused = time.perf_counter()
+                    if cfg.validation.enable and (step % cfg.validation.freq == 0 or step == total):
+                        self.validate()
+                    stop, timed_save = self._read_vote()
+                    if stop:
+                        if cfg.checkpoint.enable:
+                            self.checkpointer.save(step, force_sync=True)
+                        raise Preempted(
+                            f"stopped at step {step} on signal {self.preempt_signal}"
+                            + ("; checkpoint saved" if cfg.checkpoint.enable else "")
+                        )
+                    if self.checkpointer.should_save(step, last=step == total) or timed_save:
+                        if timed_save:
+                            logger.info(
+                                "saving at step %d: checkpoint.interval_minutes passed", step
+                            )
+                        self.checkpointer.save(step, last=step == total)
+                        self._last_save = time.monotonic()
+                    self._start_vote()
+                    self.checkpointer.poll()
+                    window_start += time.perf_counter() - paused
+                    profiler.step()
+        finally:
+            self._settle_vote()  # no all-reduce left in flight, whatever ends the loop
         if self.mixture:
             self._log_mixture()
         logger.info(
@@ -424,9 +433,14 @@ class Trainer:
             loader = build_dataloader(
                 self.tokenizer, spec, self.dims.batch_rank, self.dims.batch_size, "validation"
             )
-            it, recorded = iter(loader), []
+            # Record the pass for later ones unless an earlier pass found it too big.
+            it, recorded = iter(loader), None if spec in self._validation_uncached else []
         else:
-            it, recorded = iter(cached), None
+            loader, it, recorded = None, iter(cached), None
+        recorded_bytes = sum(
+            t.numel() * t.element_size()
+            for kept in self._validation_cache.values() for b in kept for t in b
+        )  # fmt: skip
         self.model.train(False)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         count = torch.zeros((), device=self.device, dtype=torch.float64)
@@ -435,6 +449,14 @@ class Trainer:
             batch = next(it, None)
             if recorded is not None and batch is not None:
                 recorded.append(batch)
+                recorded_bytes += sum(t.numel() * t.element_size() for t in batch)
+                if recorded_bytes > VALIDATION_CACHE_BYTES:  # the same on every rank
+                    logger.info(
+                        "validation: the batches are over the %d MiB cache; every pass reads "
+                        "them again", VALIDATION_CACHE_BYTES >> 20,
+                    )  # fmt: skip
+                    self._validation_uncached.add(spec)
+                    recorded = None
             # Every rank must run the same number of forwards (FSDP gathers inside them).
             have = distributed.all_reduce(
                 torch.tensor(int(batch is not None)), dist.ReduceOp.MIN, loss_group
@@ -451,31 +473,17 @@ class Trainer:
             count += (labels != IGNORE_INDEX).sum()
             batches += 1
         self.model.train(True)
-        if recorded is not None:
+        if loader is not None:
             loader.close()
-            self._keep_validation_batches(spec, recorded)
+        if recorded is not None:
+            self._validation_cache[spec] = recorded
+            logger.info(
+                "validation: %d batches kept for later passes (%.1f MiB in all)",
+                len(recorded), recorded_bytes / 2**20,
+            )  # fmt: skip
         loss_sum = distributed.all_reduce(loss_sum, dist.ReduceOp.SUM, loss_group)
         count = distributed.all_reduce(count, dist.ReduceOp.SUM, loss_group)
         return float(loss_sum), int(count)
-
-    def _keep_validation_batches(self, spec: DataSpec, batches: list) -> None:
-        """Every pass reads the same batches: keep them (within VALIDATION_CACHE_BYTES per
-        rank) so that later passes neither rescan the corpus for held-out documents nor
-        tokenize them again. The size is the same on every rank, so all ranks decide alike."""
-        size = sum(t.numel() * t.element_size() for batch in batches for t in batch)
-        used = sum(t.numel() * t.element_size()
-                   for kept in self._validation_cache.values() for b in kept for t in b)  # fmt: skip
-        if used + size <= VALIDATION_CACHE_BYTES:
-            self._validation_cache[spec] = batches
-            logger.info(
-                "validation: %d batches (%.1f MiB) kept for later passes", len(batches),
-                size / 2**20,
-            )  # fmt: skip
-        else:
-            logger.info(
-                "validation: %.1f MiB of batches is over the %d MiB cache; later passes "
-                "read them again", size / 2**20, VALIDATION_CACHE_BYTES >> 20,
-            )  # fmt: skip
 
     def close(self) -> None:
         self.checkpointer.close()

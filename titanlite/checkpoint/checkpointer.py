@@ -130,7 +130,7 @@ class Checkpointer:
         self._check_model(path, meta)
         if meta.get("model_only", False):
             keys = [k for k in keys if k == "model"]
-        self._verify(path, int(meta.get("step", -1)))
+        self._verify(path, meta)
         reader = SafeFileSystemReader(str(path))
         try:
             saved = reader.read_metadata().state_dict_metadata  # refuse a bad one here
@@ -160,12 +160,13 @@ class Checkpointer:
                     f"checkpoint folder {str(path)!r}: its {key} state does not fit this run ({e})"
                 ) from None
 
-    def _verify(self, path: Path, step: int) -> None:
+    def _verify(self, path: Path, meta: dict[str, Any]) -> None:
         """Check the shard files against their saved checksums before loading any of them,
         each rank a share; a damaged checkpoint is a one-line error naming a bad file and
         the previous complete checkpoint (collective: every rank calls it)."""
         rank, world = dist.get_rank(), dist.get_world_size()
-        found = integrity.problems(path, rank, world)[:1]
+        step = int(meta.get("step", -1))
+        found = integrity.problems(path, meta.get("checksum_ranks"), rank, world)[:1]
         if world > 1:
             group = dist.new_group(backend="gloo")  # objects over the CPU, whatever the device
             everyone: list[list[str]] = [[] for _ in range(world)]
@@ -249,6 +250,7 @@ class Checkpointer:
             "model_name": self.identity.name,
             "model_args": self.identity.args,
             **self.sidecar_fields,
+            "checksum_ranks": dist.get_world_size(),  # __0 .. __N-1.sha256.json (integrity)
             "time": time.time(),
             "states": plain,
         }

@@ -42,47 +42,67 @@ class ChecksummingWriter(FileSystemWriter):
         rank = dist.get_rank() if dist.is_initialized() else 0
         out = folder / f"__{rank}{SUFFIX}"
         tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(sums, sort_keys=True))
+        with open(tmp, "w") as f:
+            f.write(json.dumps(sums, sort_keys=True))
+            f.flush()
+            os.fsync(f.fileno())  # durable like the shards: a crash must not void a good save
         os.replace(tmp, out)
         return future
+
+
+def _read(path: Path) -> dict[str, tuple[int, str]] | str:
+    """One rank's record, or what is wrong with it."""
+    try:
+        return {n: (int(size), str(d)) for n, (size, d) in json.loads(path.read_text()).items()}
+    except (OSError, ValueError, TypeError) as e:
+        return f"{path.name}: unreadable checksum file ({e})"
 
 
 def recorded(folder: Path) -> dict[str, tuple[int, str]]:
     """Every shard file's recorded (size, sha256), from all ranks' checksum files."""
     sums: dict[str, tuple[int, str]] = {}
     for path in sorted(folder.glob(f"__*{SUFFIX}")):
-        try:
-            for name, (size, digest) in json.loads(path.read_text()).items():
-                sums[name] = (int(size), str(digest))
-        except (OSError, ValueError, TypeError) as e:
-            sums[f"<{path.name}>"] = (-1, f"unreadable checksum file ({e})")
+        record = _read(path)
+        if isinstance(record, dict):
+            sums.update(record)
     return sums
 
 
-def problems(folder: Path, rank: int = 0, world: int = 1) -> list[str]:
-    """What is wrong with this rank's share of the shard files (every file when world is 1):
-    missing, of another size, or another checksum; a shard without a checksum."""
-    sums = recorded(folder)
-    if not sums:
-        return []  # saved before checksums existed
+def _check(folder: Path, name: str, size: int, digest: str) -> str | None:
+    path = folder / name
+    try:
+        if not path.is_file():
+            return f"{name}: missing"
+        found = path.stat().st_size
+        if found != size:
+            return f"{name}: truncated or grown ({found:,} bytes, saved {size:,})"
+        if file_digest(path) != digest:
+            return f"{name}: checksum mismatch (the file changed after it was saved)"
+    except OSError as e:  # an I/O error is a finding too, never an exception on one rank
+        return f"{name}: unreadable ({e.strerror or e})"
+    return None
+
+
+def problems(folder: Path, saved_ranks: int | None, rank: int = 0, world: int = 1) -> list[str]:
+    """What is wrong with this rank's share of the shard files: those of the saving ranks
+    r, r + world, ... (so each rank reads world-independent amounts of records). With
+    ``saved_ranks`` None (the count was not recorded: verify_checkpoint.py on any folder, or a
+    checkpoint from before checksums) every checksum file present is checked, by rank 0."""
+    if saved_ranks is None:
+        paths = sorted(folder.glob(f"__*{SUFFIX}")) if rank == 0 else []
+    else:
+        paths = [folder / f"__{r}{SUFFIX}" for r in range(rank, saved_ranks, world)]
     found: list[str] = []
-    shards = sorted(set(sums) | {p.name for p in folder.glob("*.distcp")})
-    for i, name in enumerate(shards):
-        if i % world != rank:
+    for path in paths:
+        if not path.is_file():
+            found.append(f"{path.name}: missing (the rank's checksums)")
             continue
-        if name.startswith("<"):
-            found.append(f"{name[1:-1]}: {sums[name][1]}")
+        record = _read(path)
+        if isinstance(record, str):
+            found.append(record)
             continue
-        path = folder / name
-        if name not in sums:
-            found.append(f"{name}: no checksum recorded for it")
-        elif not path.is_file():
-            found.append(f"{name}: missing")
-        elif path.stat().st_size != sums[name][0]:
-            found.append(
-                f"{name}: truncated or grown ({path.stat().st_size:,} bytes, saved "
-                f"{sums[name][0]:,})"
-            )
-        elif file_digest(path) != sums[name][1]:
-            found.append(f"{name}: checksum mismatch (the file changed after it was saved)")
+        for name, (size, digest) in sorted(record.items()):
+            problem = _check(folder, name, size, digest)
+            if problem:
+                found.append(problem)
     return found

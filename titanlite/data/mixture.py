@@ -13,7 +13,7 @@ held as exact fractions so that every rank (and every resume) rounds identically
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any
 
@@ -100,7 +100,11 @@ class MixtureLoader:
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.chunk = self.spec.local_batch_size * dp_world_size
         # Each part's own window sequence; only its epoch/permutation logic and reads are used.
-        self.sources = [TokenLoader(tokenizer, p.spec, 0, 1, "train") for p in parts]
+        # Seeds differ by part, so a folder listed twice is not read in lockstep.
+        self.sources = [
+            TokenLoader(tokenizer, replace(p.spec, seed=p.spec.seed + i), 0, 1, "train")
+            for i, p in enumerate(parts)
+        ]
         self.interleave = Interleave([p.weight for p in parts])
         self._windows_consumed = 0
 

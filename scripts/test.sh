@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run titanlite's tests, installing what they need on first use (scripts/setup_env.sh --dev).
 #
-#   scripts/test.sh                 ruff and everything, on three pytest workers (time: BENCHMARKS.md)
+#   scripts/test.sh                 ruff and everything, on two pytest workers (time: BENCHMARKS.md)
 #   scripts/test.sh -m "not slow"   the fast subset (about 20 seconds)
 #   scripts/test.sh tests/test_ddp.py -x    any pytest arguments
 #
@@ -14,10 +14,10 @@ if [ $# -eq 0 ]; then
   "$py" -m ruff check .
   "$py" -m ruff format --check .
   # Much of the suite's wall time is spent waiting on process start-up and rendezvous, so
-  # three pytest workers (on 2 cores) shorten it; whole files stay on one worker (their fixtures, namespaces
+  # two pytest workers shorten it; whole files stay on one worker (their fixtures, namespaces
   # and worker pools are per module or per session), handed out in collection order, which
   # tests/conftest.py sorts longest first (xdist's default reorder put the longest last).
-  set -- -n 3 --dist loadfile --no-loadscope-reorder
+  set -- -n 2 --dist loadfile --no-loadscope-reorder
 fi
 # Tests never reach the network: the Hub is refused at once, wandb stays offline.
 export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 WANDB_MODE="${WANDB_MODE:-offline}"

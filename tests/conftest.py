@@ -98,13 +98,12 @@ def _stop_worker_pools() -> Iterator[None]:
 
 
 # The longest files (measured with --durations, BENCHMARKS.md "Test suite"), longest first.
-# scripts/test.sh runs three xdist workers that take whole files in collection order
+# scripts/test.sh runs two xdist workers that take whole files in collection order
 # (--dist loadfile --no-loadscope-reorder): started first, these run side by side with the
 # short files filling in after them, instead of meeting at the end.
 LONGEST_FIRST = (
     "test_pipeline.py", "test_train_e2e.py", "test_cluster.py", "test_parity.py",
-    "test_checkpoint.py", "test_resume_layouts.py", "test_tokens.py", "test_observability.py",
-    "test_runtime.py",
+    "test_checkpoint.py", "test_resume_layouts.py", "test_observability.py",
 )  # fmt: skip
 
 

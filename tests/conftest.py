@@ -30,6 +30,10 @@ def subprocess_env(tmp_path: Path, **extra: str) -> dict[str, str]:
         WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"),
         WANDB_DATA_DIR=str(tmp_path / "wandb-data"),
         PYTHONUNBUFFERED="1",
+        # One intra-op thread per process: the suite runs many processes at once on few
+        # cores, and OpenMP threads that spin while others hold the cores slow a run up to
+        # tenfold (the quick start took over 600 s so, against 78 s alone).
+        OMP_NUM_THREADS=env.get("TITANLITE_TEST_THREADS", "1"),
         # The matmul peak that tests measure (on a machine busy with tests) must not end up
         # in the user's cache, where it would set their runs' MFU.
         TITANLITE_CACHE_DIR=str(TEST_CACHE),

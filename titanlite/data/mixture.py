@@ -21,12 +21,11 @@ import numpy as np
 import torch
 
 from titanlite.data.spec import DataSpec
-from titanlite.data.token_loader import TokenLoader
+from titanlite.data.token_loader import TokenLoader, WindowCountState
 from titanlite.data.tokenizer import Tokenizer
 from titanlite.data.tokens import is_token_folder
 from titanlite.errors import UserError
 
-STATE_FORMAT = 1
 _WEIGHT_DENOMINATOR = 1 << 20  # weights are exact multiples of 2^-20 of the total
 
 
@@ -83,8 +82,10 @@ class Interleave:
         return max(abs(c - float(w) * k) for c, w in zip(self.counts(k), self.weights, strict=True))
 
 
-class MixtureLoader:
+class MixtureLoader(WindowCountState):
     """Iterable of ``(inputs, labels)`` like TokenLoader, over several token folders."""
+
+    _resume_hint = "the same datasets and weights"
 
     def __init__(
         self, tokenizer: Tokenizer, parts: list[Part], dp_rank: int, dp_world_size: int
@@ -139,20 +140,3 @@ class MixtureLoader:
             "seq_len": self.spec.seq_len,
             "seed": self.spec.seed,
         }
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "format": STATE_FORMAT,
-            **self._identity(),
-            "windows_consumed": self._windows_consumed,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key, value in self._identity().items():
-            if state.get(key) != value:
-                raise UserError(
-                    f"data loader state does not match this run: {key} was {state.get(key)!r} "
-                    f"when saved, now {value!r}; resume with the same datasets and weights or "
-                    "start a new run"
-                )
-        self._windows_consumed = int(state["windows_consumed"])

@@ -58,7 +58,35 @@ def permute(index: np.ndarray, n: int, key: int) -> np.ndarray:
     return x.astype(np.int64)
 
 
-class TokenLoader:
+class WindowCountState:
+    """The saved position of a loader whose batches follow from the number of global windows
+    consumed alone: that count plus the loader's ``_identity()``, which must match on resume."""
+
+    _windows_consumed: int
+    _resume_hint = "the same data"
+
+    def _identity(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "format": STATE_FORMAT,
+            **self._identity(),
+            "windows_consumed": self._windows_consumed,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, value in self._identity().items():
+            if state.get(key) != value:
+                raise UserError(
+                    f"data loader state does not match this run: {key} was {state.get(key)!r} "
+                    f"when saved, now {value!r}; resume with {self._resume_hint} or start a "
+                    "new run"
+                )
+        self._windows_consumed = int(state["windows_consumed"])
+
+
+class TokenLoader(WindowCountState):
     """Iterable of ``(inputs, labels)`` LongTensors ``[local_batch_size, seq_len]`` (the
     PackedLoader interface), over a folder written by scripts/pretokenize.py."""
 
@@ -156,19 +184,3 @@ class TokenLoader:
             "split": self.split,
             "seed": self.spec.seed,
         }
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "format": STATE_FORMAT,
-            **self._identity(),
-            "windows_consumed": self._windows_consumed,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key, value in self._identity().items():
-            if state.get(key) != value:
-                raise UserError(
-                    f"data loader state does not match this run: {key} was {state.get(key)!r} "
-                    f"when saved, now {value!r}; resume with the same data or start a new run"
-                )
-        self._windows_consumed = int(state["windows_consumed"])

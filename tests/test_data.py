@@ -538,3 +538,54 @@ def test_saved_state_does_not_grow_with_the_data_parallel_degree(tok: Tokenizer,
     assert torch.equal(stacked(take(resumed, 1)), reference[3 * 128 : 4 * 128])
     again = resumed.state_dict()
     assert torch.equal(stacked(continue_from(again, tok, one, 0, 1, 4)), reference[4 * 128 :])
+
+
+# -- split by rank ---------------------------------------------------------------------------
+
+
+def test_split_by_rank_reads_only_the_ranks_own_files(tok: Tokenizer, corpus: Path) -> None:
+    """With split_by_rank each of 4 ranks reads a disjoint quarter of the 40 files (documents
+    are one file each) and tokenizes about a quarter of the stream; its position resumes
+    exactly, also across an epoch; another degree or mode is a one-line error."""
+    spec = spec_for(corpus, split_by_rank=True, local_batch_size=2)
+    per_rank_docs, read = [], []
+    for rank in range(4):
+        loader = build_dataloader(tok, spec, rank, 4, "train")
+        batches = take(loader, 6)
+        per_rank_docs.append(doc_ids(tok, stacked(batches)))
+        read.append(loader._tokens_read)
+    for a in range(4):
+        assert per_rank_docs[a] and all(d % 4 == a for d in per_rank_docs[a]), per_rank_docs
+    whole = build_dataloader(tok, spec_for(corpus, local_batch_size=8), 0, 4, "train")
+    take(whole, 6)
+    assert max(read) < 0.5 * whole._tokens_read, (read, whole._tokens_read)
+
+    # Exact resume of rank 2 of 4, through a checkpoint-like round trip and an epoch change.
+    loader = build_dataloader(tok, spec, 2, 4, "train")
+    reference = take(loader, 40)
+    assert loader._position.epoch >= 1  # 40 batches cross the rank's epoch (10 files)
+    first = build_dataloader(tok, spec, 2, 4, "train")
+    take(first, 7)
+    state = first.state_dict()
+    assert state["split_by_rank"] == 4 and set(state["ranks"]) == {"dp2"}
+    assert state["ranks"]["dp2"].dtype == torch.uint8 and state["ranks"]["dp2"].numel() < 4000
+    resumed = build_dataloader(tok, spec, 2, 4, "train")
+    resumed.load_state_dict(state)
+    assert torch.equal(stacked(take(resumed, 33)), stacked(reference[7:]))
+
+    for other, message in (
+        (build_dataloader(tok, spec, 1, 2, "train"), "saved per rank by 4 .* this run has 2"),
+        (build_dataloader(tok, spec_for(corpus), 0, 4, "train"), "resume with split_by_rank"),
+    ):
+        with pytest.raises(UserError, match=message) as info:
+            other.load_state_dict(state)
+        assert "\n" not in str(info.value)
+    with pytest.raises(UserError, match="global stream; training.split_by_rank cannot"):
+        build_dataloader(tok, spec, 0, 4, "train").load_state_dict(whole.state_dict())
+    with pytest.raises(UserError, match="has 40 files, fewer than the 64 data-parallel ranks"):
+        build_dataloader(tok, spec, 0, 64, "train")
+    # Validation stays one global pass over the held-out documents of every file.
+    v_split = stacked(take(build_dataloader(tok, spec, 1, 4, "validation"), 2))
+    v_global = stacked(take(build_dataloader(tok, spec_for(corpus, local_batch_size=2), 1, 4,
+                                             "validation"), 2))  # fmt: skip
+    assert torch.equal(v_split, v_global)

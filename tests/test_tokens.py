@@ -462,3 +462,32 @@ def test_another_holdout_fraction_is_a_warning_not_a_new_split(tmp_path, tok, sp
     with caplog.at_level("WARNING"):
         build_dataloader(tok, same, 0, 1)
     assert "validation_fraction" not in caplog.text
+
+
+# --------------------------------------------------------------------------- split by rank
+
+
+def test_text_stream_split_by_rank_resumes_exactly_at_the_same_degree_only(tmp_path: Path):
+    """training.split_by_rank on the built-in corpus, 2 ranks: the step-4 checkpoint (each
+    rank's own position in DCP) resumes bit for bit; on 1 rank it is a one-line error, exit 2."""
+    args = [*TRAIN_ARGS, "--training.split_by_rank", "true", "--training.steps", "8",
+            "--validation.enable", "false", "--training.local_batch_size", "2"]  # fmt: skip
+    pool = get_pool(2)
+    full = pool.run(train_scenarios.train, argv=[*args, "--job.dump_folder", str(tmp_path / "a")])
+    losses, _ = curves(full[0])
+    assert sorted(losses) == list(range(1, 9))
+    again = tmp_path / "b" / "checkpoint" / "step-4"
+    shutil.copytree(tmp_path / "a" / "checkpoint" / "step-4", again)
+    sidecar = json.loads((again / "titanlite.json").read_text())
+    assert sidecar["states"]["dataloader"] == {"format": 2, "split_by_rank": 2}
+    resumed, _ = curves(pool.run(train_scenarios.train, argv=[*args, "--job.dump_folder",
+                                                                str(tmp_path / "b")])[0])  # fmt: skip
+    assert {s: resumed[s] for s in range(5, 9)} == {s: losses[s] for s in range(5, 9)}
+
+    shutil.rmtree(tmp_path / "b" / "checkpoint" / "step-8")
+    one = get_pool(1)
+    status = one.run(train_scenarios.main, argv=[*args, "--job.config_file", DEBUG_CONFIG,
+                                                  "--job.dump_folder", str(tmp_path / "b")])  # fmt: skip
+    message = [line for line in one.last_output[0].splitlines() if "saved per rank" in line]
+    assert status == [2] and len(message) == 1, one.last_output[0][-3000:]
+    assert "by 2 data-parallel ranks (training.split_by_rank), this run has 1" in message[0]

@@ -64,6 +64,7 @@ def data_spec(cfg: JobConfig) -> DataSpec:
         local_batch_size=t.local_batch_size,
         seed=t.seed,
         validation_fraction=cfg.validation.holdout_fraction,
+        split_by_rank=t.split_by_rank,
     )
 
 

@@ -341,12 +341,21 @@ def _tensors_in(state: dict[str, Any], prefix: str, saved: dict[str, Any]) -> tu
                 if sub:
                     out[k] = sub
             elif name in saved:
+                size = getattr(saved[name], "size", None)
+                if _is_blob(v) and size is not None and tuple(size) != tuple(v.shape):
+                    v = torch.empty(size, dtype=torch.uint8)  # a byte blob: the saved length
                 out[k] = v
             else:
                 missing.append(name)
         return out
 
     return keep(tensors, prefix), missing
+
+
+def _is_blob(value: Any) -> bool:
+    """A 1-D uint8 tensor: serialized bytes (a rank's own data position, RNG state) whose
+    length may differ between the saving and the loading run."""
+    return isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1
 
 
 def _cause(e: BaseException) -> str:

@@ -128,6 +128,8 @@ class Training:
     """Hub dataset configuration name (e.g. "en" for allenai/c4)."""
     text_field: str = "text"
     """Field/column holding the text in json and parquet rows."""
+    split_by_rank: bool = False
+    """Text sources: each data-parallel rank reads only its own files/shards of the source (rank r takes shards r, r + dp, ...), so per-rank reading and tokenizing do not grow with the data-parallel degree. Needs at least as many shards as ranks; ranks then see different documents than one global stream would, and a resume needs the same data-parallel degree. Pre-tokenized folders already read only each rank's windows and ignore it."""
     datasets: list[DatasetEntry] = field(default_factory=list)
     """A weighted mixture of pre-tokenized folders, read instead of dataset/dataset_path: [[training.datasets]] tables with path, weight (default 1; normalized) and name (default the folder's name), or on the command line PATH[:WEIGHT],PATH[:WEIGHT]."""
     document_mask: bool = False

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from titanlite.data.reader import Position, Prefetcher, Round, read_rounds
-from titanlite.data.sources import Documents, open_documents
+from titanlite.data.sources import Documents, open_documents, rank_share
 from titanlite.data.spec import SPLITS, DataSpec, Split
 from titanlite.data.tokenizer import Tokenizer
 from titanlite.errors import UserError
@@ -80,6 +80,13 @@ class PackedLoader:
         self.infinite = spec.infinite and split == "train"
         self.prefetch = prefetch
         self._documents: Documents = open_documents(spec)
+        # training.split_by_rank: this rank reads its own shards as a stream of its own, so a
+        # chunk is its local batch alone and the position is this rank's (saved per rank).
+        self.rank_split = spec.split_by_rank and split == "train"
+        if self.rank_split:
+            self._documents = rank_share(self._documents, dp_rank, dp_world_size)
+        self._chunk_ranks = 1 if self.rank_split else dp_world_size
+        self._chunk_index = 0 if self.rank_split else dp_rank
         pad = tokenizer.pad_id if tokenizer.pad_id >= 0 else max(tokenizer.eos_id, 0)
         self._input_pad_id = pad
         self._rounds: Iterator[Round] | None = None
@@ -114,7 +121,7 @@ class PackedLoader:
 
     def _next_round(self) -> Round:
         if self._rounds is None:
-            chunk_tokens = self.spec.local_batch_size * self.dp_world_size * (self.spec.seq_len + 1)
+            chunk_tokens = self.spec.local_batch_size * self._chunk_ranks * (self.spec.seq_len + 1)
             rounds = read_rounds(
                 self._documents,
                 self.tokenizer,
@@ -142,7 +149,7 @@ class PackedLoader:
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         window = self.spec.seq_len + 1
-        chunk = self.spec.local_batch_size * self.dp_world_size
+        chunk = self.spec.local_batch_size * self._chunk_ranks
         needed = chunk * window
         while self._tokens.size < needed and not self._position.exhausted:
             before = self._position
@@ -166,7 +173,7 @@ class PackedLoader:
             self._tokens = self._tokens[needed:]
             self._use(needed)
             self._windows_consumed += chunk
-            first = self.dp_rank * self.spec.local_batch_size
+            first = self._chunk_index * self.spec.local_batch_size
             mine = torch.from_numpy(block[first : first + self.spec.local_batch_size])
             mine = mine.to(torch.int64)
             self._maybe_log_throughput()
@@ -201,7 +208,7 @@ class PackedLoader:
 
     def _maybe_log_throughput(self) -> None:
         now = time.perf_counter()
-        if self._windows_consumed == self.spec.local_batch_size * self.dp_world_size:
+        if self._windows_consumed == self.spec.local_batch_size * self._chunk_ranks:
             logger.info("data: first %s batch after %.2f s", self.split, now - self._started)
         elif now - self._last_log > _THROUGHPUT_LOG_EVERY_S:
             logger.info(
@@ -225,8 +232,28 @@ class PackedLoader:
             "seed": self.spec.seed,
         }
 
+    @property
+    def partial_ok(self) -> bool:
+        """With split_by_rank a checkpoint may lack this rank's entry (saved by another
+        data-parallel degree): load_state_dict then names the problem."""
+        return self.rank_split
+
     def state_dict(self) -> dict[str, Any]:
-        """The global stream position as plain Python values, identical on every rank.
+        """The stream position. One global stream: plain values, the same on every rank.
+        split_by_rank: each rank's own position as a JSON byte tensor under its own key, so
+        that every rank's is saved (in DCP; plain values go to rank 0's sidecar)."""
+        own = self._stream_state()
+        if not self.rank_split:
+            return own
+        blob = torch.frombuffer(bytearray(json.dumps(own).encode()), dtype=torch.uint8)
+        return {
+            "format": STATE_FORMAT,
+            "split_by_rank": self.dp_world_size,
+            "ranks": {f"dp{self.dp_rank}": blob},
+        }
+
+    def _stream_state(self) -> dict[str, Any]:
+        """The position of the stream this loader reads, as plain Python values.
 
         Flat, with fixed keys (friendly to torch.distributed.checkpoint); the dataset's own
         nested state is kept as a JSON string. Its size does not depend on the batch or the
@@ -258,7 +285,35 @@ class PackedLoader:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue exactly where ``state`` was saved (any data-parallel degree)."""
+        """Continue exactly where ``state`` was saved (one global stream: under any
+        data-parallel degree; split_by_rank: under the same one)."""
+        saved_ranks = int(state.get("split_by_rank", 0))
+        if saved_ranks == 0 and self.rank_split:
+            raise UserError(
+                "the data position was saved for one global stream; training.split_by_rank "
+                "cannot continue it (resume without split_by_rank, or start a new run)"
+            )
+        if saved_ranks and not self.rank_split:
+            raise UserError(
+                f"the data position was saved per rank by {saved_ranks} data-parallel ranks "
+                "(training.split_by_rank); resume with split_by_rank = true"
+            )
+        if saved_ranks != self._split_ranks():
+            raise UserError(
+                f"the data position was saved per rank by {saved_ranks} data-parallel ranks "
+                f"(training.split_by_rank), this run has {self.dp_world_size}; resume with "
+                f"{saved_ranks}, or exclude the dataloader from loading "
+                '(checkpoint.exclude_from_loading = ["dataloader"]) to restart the data'
+            )
+        if self.rank_split:
+            blob = state["ranks"][f"dp{self.dp_rank}"]
+            state = json.loads(bytes(blob.numpy()).decode())
+        self._load_stream_state(state)
+
+    def _split_ranks(self) -> int:
+        return self.dp_world_size if self.rank_split else 0
+
+    def _load_stream_state(self, state: dict[str, Any]) -> None:
         if state.get("format") not in (1, STATE_FORMAT):
             raise UserError(
                 f"data loader state has format {state.get('format')!r}, expected {STATE_FORMAT}; "

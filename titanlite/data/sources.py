@@ -177,6 +177,28 @@ def open_documents(spec: DataSpec) -> Documents:
     return documents
 
 
+def rank_share(documents: Documents, rank: int, ranks: int) -> Documents:
+    """The documents of ``rank``'s shards when ``ranks`` ranks split the source by shard
+    (files for local sources, the dataset's own shards on the Hub): shards rank, rank + ranks,
+    ... Each rank then reads about 1/ranks of the source instead of all of it."""
+    shards = documents.dataset.num_shards
+    if shards < ranks:
+        raise UserError(
+            f"training.split_by_rank: {documents.name} has {shards} "
+            f"{'file' if documents.num_files else 'shard'}{'s' if shards != 1 else ''}, fewer "
+            f"than the {ranks} data-parallel ranks; use fewer ranks, a source with more "
+            "files, or pre-tokenize it (scripts/pretokenize.py) and train on the folder"
+        )
+    if rank == 0 and shards % ranks:
+        logger.warning(
+            "data: %d shards over %d data-parallel ranks: some ranks read %d shards, others "
+            "%d, so their epochs differ in length",
+            shards, ranks, shards // ranks + 1, shards // ranks,
+        )  # fmt: skip
+    share = documents.dataset.shard(num_shards=ranks, index=rank, contiguous=False)
+    return Documents(share, documents.text_field, documents.name, documents.num_files)
+
+
 def ordered_dataset(documents: Documents, split: str, seed: int, epoch: int) -> IterableDataset:
     """A new dataset object reading ``documents`` in ``split``'s order for ``epoch``.
 

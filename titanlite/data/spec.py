@@ -34,6 +34,8 @@ class DataSpec:
     """Seed of the per-epoch shuffle of file (shard) order in the train split."""
     validation_fraction: float = _V.holdout_fraction
     """Fraction of documents held out for validation (by a stable hash of each document)."""
+    split_by_rank: bool = _T.split_by_rank
+    """Train split of a text source: each data-parallel rank reads only its own shards."""
     infinite: bool = True
     """Train split loops over epochs forever; False makes one pass. Validation is always one pass."""
 

@@ -15,6 +15,7 @@
 #   TITANLITE_TORCHRUN=1  launch through torchrun even for a single process
 #   PYTORCH_CUDA_ALLOC_CONF  CUDA allocator settings (default expandable_segments:True)
 # Exit status: 0 done, 2 bad input (one line on stderr), 3 loss became non-finite,
+# 4 a rank was lost (a collective failed or timed out; one line names the rank),
 # 75 stopped by SIGTERM/SIGUSR1 after saving a checkpoint (run the same command to resume).
 set -uo pipefail
 

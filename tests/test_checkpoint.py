@@ -475,6 +475,43 @@ def test_bad_checkpoint_is_one_error_line_and_changes_nothing(
     assert "Traceback" not in result.stderr
 
 
+def test_fallback_to_previous_resumes_from_the_last_good_checkpoint(
+    tmp_path: Path, baseline: tuple[Path, dict]
+) -> None:
+    """checkpoint.fallback_to_previous: the latest checkpoint (step-8) fails its checksum, the
+    run warns, resumes from step-4, replaces step-8 with a good one and matches the baseline."""
+    base_run, base = baseline
+    out = tmp_path / "run"
+    copy_steps(base_run, out, 4, 8)
+    _flip_byte(out / "checkpoint" / "step-8" / "__0_0.distcp")
+    result = run(out, "--checkpoint.fallback_to_previous", "true")
+    assert_ok(result)
+    warning = [line for line in result.stdout.splitlines() if "fallback_to_previous)" in line]
+    assert len(warning) == 1 and "step-8" in warning[0] and "checksum mismatch" in warning[0]
+    assert "loading step-4 instead" in warning[0], warning
+    assert steps_since_last_resume(out) == list(range(5, STEPS + 1))
+    assert_same_losses(out, base, range(5, STEPS + 1))
+    assert integrity.problems(out / "checkpoint" / "step-8", 1, 0, 1) == []  # saved again
+
+
+def test_retired_checkpoints_stop_being_checkpoints_before_their_files_go(
+    tmp_path: Path, baseline: tuple[Path, dict]
+) -> None:
+    """Retention renames a checkpoint before deleting it, in the background: a killed
+    deletion leaves a step-N.deleting folder, which is never resumed from (even when it holds
+    every file of a newer step) and is removed by the next run."""
+    base_run, base = baseline
+    out = tmp_path / "run"
+    copy_steps(base_run, out, 8, 12)
+    (out / "checkpoint" / "step-12").rename(out / "checkpoint" / "step-12.deleting")
+    result = run(out, "--checkpoint.keep_latest_k", "1")
+    assert_ok(result)
+    assert steps_since_last_resume(out) == list(range(9, STEPS + 1))  # from step-8
+    assert_same_losses(out, base, range(9, STEPS + 1))
+    assert step_dirs(out) == ["step-12"]  # step-8 retired, the leftover removed
+    assert "removing" in result.stdout and "step-8" in result.stdout
+
+
 def test_missing_initial_load_path_is_one_error_line(tmp_path: Path) -> None:
     out = tmp_path / "run"
     missing = tmp_path / "nowhere" / "step-5"

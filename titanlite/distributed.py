@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -38,7 +39,8 @@ def env_info() -> tuple[int, int, int, int]:
     return rank, world, local_rank, local_world
 
 
-def init(seed: int) -> DistInfo:
+def init(seed: int, timeout_s: float | None = None) -> DistInfo:
+    """The process group (``timeout_s``: collective timeout during start-up, every group)."""
     rank, world, local_rank, local_world = env_info()
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
@@ -51,11 +53,16 @@ def init(seed: int) -> DistInfo:
     if not dist.is_initialized():
         if "MASTER_ADDR" in os.environ:
             dist.init_process_group(
-                backend, rank=rank, world_size=world, device_id=_device_id(device)
-            )
+                backend, rank=rank, world_size=world, device_id=_device_id(device),
+                timeout=timedelta(seconds=timeout_s) if timeout_s else None,
+            )  # fmt: skip
         else:
             # A plain `python -m titanlite.train`: a group of one, nothing to rendezvous with.
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if timeout_s:
+        from titanlite.heartbeat import set_timeouts
+
+        set_timeouts(timeout_s)  # also for the groups made later (the mesh's)
     torch.manual_seed(seed)
     info = DistInfo(rank, world, local_rank, local_world, device)
     logger.info(
@@ -67,6 +74,11 @@ def init(seed: int) -> DistInfo:
 
 def _device_id(device: torch.device) -> torch.device | None:
     return device if device.type == "cuda" else None
+
+
+def world_size() -> int:
+    """Ranks in the default group (1 before it exists)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def shutdown() -> None:

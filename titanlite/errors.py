@@ -58,6 +58,9 @@ EXIT_USER_ERROR = 2
 """Bad input: a config, layout, file or checkpoint problem (one line on stderr)."""
 EXIT_DIVERGED = 3
 """The loss or the gradient norm became non-finite."""
+EXIT_COMM_FAILURE = 4
+"""A collective failed or timed out (comm.timeout_seconds): a rank was lost; one line names it.
+The checkpoint on disk is untouched; the same command resumes from the latest complete one."""
 EXIT_PREEMPTED = 75
 """Stopped by SIGTERM/SIGUSR1 after saving a checkpoint (EX_TEMPFAIL: "try again later");
 the same command resumes, and SLURM scripts requeue the job on it."""

@@ -4,7 +4,7 @@
 
 Normally started by ./run_train.sh through torchrun; a plain single process works too.
 Exit statuses are those of titanlite.errors: 0 done, 2 bad input (a line per problem on stderr),
-3 the loss became non-finite, 75 stopped by SIGTERM/SIGUSR1 after saving a checkpoint (run
+3 the loss became non-finite, 4 a rank was lost (a collective failed or timed out), 75 stopped by SIGTERM/SIGUSR1 after saving a checkpoint (run
 the same command to resume).
 """
 
@@ -19,6 +19,7 @@ import sys
 from titanlite import distributed
 from titanlite.config import help_text, load_config, parse_cli
 from titanlite.errors import (
+    EXIT_COMM_FAILURE,
     EXIT_DIVERGED,
     EXIT_OK,
     EXIT_PREEMPTED,
@@ -26,6 +27,7 @@ from titanlite.errors import (
     UserError,
     error_lines,
 )
+from titanlite.heartbeat import CommFailure, failure_message, is_comm_failure
 from titanlite.trainer import Preempted, Trainer, TrainingDiverged
 
 logger = logging.getLogger("titanlite.train")
@@ -53,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     distributed.setup_logging()
     trainer = None
+    lost = False  # a rank is gone: nothing collective may run any more
     try:
         want_help, _ = parse_cli(argv)
         if want_help:
@@ -66,14 +69,23 @@ def main(argv: list[str] | None = None) -> int:
         return report_error(e, EXIT_USER_ERROR)
     except TrainingDiverged as e:
         return report_error(e, EXIT_DIVERGED)
+    except CommFailure as e:
+        lost = True
+        return report_error(e, EXIT_COMM_FAILURE)
     except Preempted as e:
         logger.warning("%s; exiting with status %d so the job can be requeued", e, EXIT_PREEMPTED)
         # Not an error, but the launcher must see 75 (torchrun itself exits 1).
         return record_status([f"titanlite: {e}; run the same command to resume"], EXIT_PREEMPTED)
+    except RuntimeError as e:  # last: Preempted and TrainingDiverged are RuntimeErrors too
+        if not (is_comm_failure(e) and distributed.world_size() > 1):
+            raise
+        lost = True
+        return report_error(CommFailure(failure_message(e)), EXIT_COMM_FAILURE)
     finally:
         if trainer is not None:
-            trainer.close()
-        distributed.shutdown()
+            trainer.close(abandon=lost)
+        if not lost:  # tearing down groups with a dead peer can hang (NCCL)
+            distributed.shutdown()
         # Done (or failed): SIGTERM means "exit now" again, as torchrun means it when it stops
         # the other ranks after a failure; the save-and-stop handler would only make it wait
         # for its SIGKILL (about 30 s).

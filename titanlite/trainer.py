@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from titanlite import distributed
+from titanlite import distributed, heartbeat
 from titanlite.checkpoint.checkpointer import Checkpointer, ModelIdentity, will_load_weights
 from titanlite.checkpoint.states import TrainState, build_states
 from titanlite.checks import build_model_args, check, resolve_path
@@ -93,12 +93,18 @@ class Trainer:
         # checkpoint) must not kill the process before it can exit with EXIT_PREEMPTED.
         self.preempt_signal: int | None = None
         self._vote: tuple[Any, torch.Tensor] | None = None  # the vote in flight (_read_vote)
+        self._lost = False  # a collective failed: a rank is gone
         self._last_save = time.monotonic()  # for checkpoint.interval_minutes
         self._install_signal_handlers()
 
         # 1. Processes, devices and the layout.
         self.tokenizer = check(cfg, distributed.env_info()[1])
-        self.dist = distributed.init(t.seed)
+        self.dist = distributed.init(t.seed, cfg.comm.init_timeout_seconds)
+        # Who is alive, for naming a lost rank when a collective fails (titanlite.heartbeat).
+        self.heartbeat = heartbeat.Heartbeat(
+            self.dist.rank, self.dist.world_size, cfg.comm.init_timeout_seconds
+        )
+        heartbeat.ACTIVE = self.heartbeat
         self.device = self.dist.device
         degrees = resolve_degrees(cfg, self.dist.world_size)
         self.accum_steps = gradient_accumulation_steps(cfg, degrees)
@@ -207,6 +213,7 @@ class Trainer:
             with profiling(cfg, self.dump_folder, self.dist.rank, first_step) as profiler:
                 while self.state.step < total:
                     self.state.step += 1
+                    self.heartbeat.beat(self.state.step)
                     t0 = time.perf_counter()
                     # What this rank uses: under context parallelism its chunks of the labels.
                     batches = [
@@ -218,6 +225,8 @@ class Trainer:
                         loss_sum, n_tokens, grad_norm = self.train_step(batches)
                     if self.state.step == first_step:
                         self.step_logger.startup_done(self.startup)
+                        heartbeat.set_timeouts(cfg.comm.timeout_seconds)
+                        self.heartbeat.set_timeout(cfg.comm.timeout_seconds)
                     window_tokens += sum(y.numel() for _, y in batches)  # this rank's tokens
                     self.state.add_tokens(n_tokens)
 
@@ -256,8 +265,14 @@ class Trainer:
                     self.checkpointer.poll()
                     window_start += time.perf_counter() - paused
                     profiler.step()
+        except RuntimeError as e:
+            if heartbeat.is_comm_failure(e) and self.dist.world_size > 1:
+                self._lost = True  # no collective may run any more: not even the vote's
+                raise heartbeat.CommFailure(heartbeat.failure_message(e)) from None
+            raise
         finally:
-            self._settle_vote()  # no all-reduce left in flight, whatever ends the loop
+            if not self._lost:
+                self._settle_vote()  # no all-reduce left in flight, whatever ends the loop
         if self.mixture:
             self._log_mixture()
         logger.info(
@@ -486,8 +501,13 @@ class Trainer:
         count = distributed.all_reduce(count, dist.ReduceOp.SUM, loss_group)
         return float(loss_sum), int(count)
 
-    def close(self) -> None:
-        self.checkpointer.close()
+    def close(self, abandon: bool = False) -> None:
+        """Finish a save in flight and close the loggers; ``abandon`` (a rank was lost):
+        leave the save in flight unfinished, as it would wait for the lost rank."""
+        self.heartbeat.close()
+        if heartbeat.ACTIVE is self.heartbeat:
+            heartbeat.ACTIVE = None
+        self.checkpointer.close(abandon=abandon or self._lost)
         self.metrics.close()
 
 

@@ -17,7 +17,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,6 +75,15 @@ def resume_path(cfg: CheckpointConfig, folder: Path) -> Path | None:
     return found[-1][1] if found else None
 
 
+class DamagedCheckpoint(UserError):
+    """A checkpoint whose files fail their checksums or that DCP cannot read."""
+
+
+DELETING = ".deleting"
+"""Suffix of a checkpoint being removed by retention: renamed first (so it is no longer a
+step-N folder and can never be loaded), then deleted in the background."""
+
+
 def will_load_weights(cfg: CheckpointConfig, folder: Path) -> bool:
     """Whether loading at start-up overwrites every weight (so initializing them is wasted)."""
     if resume_path(cfg, folder) is not None:
@@ -106,6 +115,12 @@ class Checkpointer:
         # Background saves talk over their own group so they never interleave with the
         # training step's collectives.
         self._async_group = dist.new_group(backend="gloo") if cfg.async_mode == "async" else None
+        # Rank 0 deletes retired checkpoints on a thread of its own (a 405B checkpoint is
+        # hundreds of files on a shared filesystem); leftovers of a killed run go first.
+        self._deleter: ThreadPoolExecutor | None = None
+        if is_main and folder.is_dir():
+            for doomed in sorted(folder.glob(f"step-*{DELETING}")):
+                self._delete(doomed)
 
     # ------------------------------------------------------------------ loading
     def load(self) -> bool:
@@ -114,7 +129,18 @@ class Checkpointer:
         path = resume_path(self.cfg, self.folder)
         if path is not None:
             keys = [k for k in self.states if k not in self.cfg.exclude_from_loading]
-            self._load(path, keys)
+            while True:
+                try:
+                    self._load(path, keys)
+                    break
+                except DamagedCheckpoint as e:
+                    earlier = self._previous(path)
+                    if not self.cfg.fallback_to_previous or earlier is None:
+                        raise
+                    logger.warning(
+                        "%s; loading %s instead (checkpoint.fallback_to_previous)", e, earlier.name
+                    )
+                    path = earlier
             logger.info("resumed from %s (step %d)", path, read_sidecar(path)["step"])
             return True
         if self.cfg.enable and self.cfg.initial_load_path:
@@ -151,7 +177,9 @@ class Checkpointer:
         try:
             dcp.load(tensors, storage_reader=reader)
         except (Exception, CheckpointException) as e:  # a BaseException; the cause helps
-            raise UserError(f"checkpoint folder {str(path)!r} is unreadable: {_cause(e)}") from None
+            raise DamagedCheckpoint(
+                f"checkpoint folder {str(path)!r} is unreadable: {_cause(e)}"
+            ) from None
         for key in keys:
             try:
                 self.states[key].load_state_dict(_merge(tensors[key], plain.get(key)))
@@ -178,11 +206,22 @@ class Checkpointer:
         earlier = [s for s, p in complete_checkpoints(self.folder) if s < step and p != path]
         hint = (
             f"; the previous complete checkpoint is step {earlier[-1]}: resume from it with "
-            f"--checkpoint.load_step {earlier[-1]}"
+            f"--checkpoint.load_step {earlier[-1]} (or always: checkpoint.fallback_to_previous)"
             if earlier and path.parent == self.folder
             else ""
         )
-        raise UserError(f"checkpoint folder {str(path)!r} is damaged: {found[0]}{hint}")
+        raise DamagedCheckpoint(f"checkpoint folder {str(path)!r} is damaged: {found[0]}{hint}")
+
+    def _previous(self, path: Path) -> Path | None:
+        """The newest complete training checkpoint of this run older than ``path``."""
+        if path.parent != self.folder or self.cfg.load_step >= 0:
+            return None
+        step = int(read_sidecar(path).get("step", -1))
+        earlier = [
+            p for s, p in complete_checkpoints(self.folder)
+            if s < step and not read_sidecar(p).get("model_only", False)
+        ]  # fmt: skip
+        return earlier[-1] if earlier else None
 
     def _check_model(self, path: Path, meta: dict[str, Any]) -> None:
         """A checkpoint of another model is refused by name, before DCP sees it."""
@@ -290,15 +329,35 @@ class Checkpointer:
         logger.info("checkpoint: saved %s in %.2f s", final, time.perf_counter() - start)
 
     def _apply_retention(self) -> None:
+        """Retire all but the newest keep_latest_k checkpoints: each is renamed at once (it
+        stops being a checkpoint before any of its files goes), then deleted in the background."""
         keep = self.cfg.keep_latest_k
         if keep <= 0:
             return
-        for _, path in complete_checkpoints(self.folder)[:-keep]:
-            shutil.rmtree(path, ignore_errors=True)
-            logger.info("checkpoint: removed %s (keep_latest_k=%d)", path, keep)
+        retired = complete_checkpoints(self.folder)[:-keep]
+        for _, path in retired:
+            doomed = path.with_name(path.name + DELETING)
+            shutil.rmtree(doomed, ignore_errors=True)
+            os.replace(path, doomed)
+            logger.info("checkpoint: removing %s (keep_latest_k=%d)", path, keep)
+        if retired:
+            fsync_dir(self.folder)
+        for _, path in retired:
+            self._delete(path.with_name(path.name + DELETING))
 
-    def close(self) -> None:
-        self.wait()
+    def _delete(self, doomed: Path) -> None:
+        if self._deleter is None:
+            self._deleter = ThreadPoolExecutor(1, thread_name_prefix="titanlite-retention")
+        self._deleter.submit(shutil.rmtree, doomed, True)
+
+    def close(self, abandon: bool = False) -> None:
+        """Finish the save in flight (``abandon``: a rank is lost, do not wait for it) and
+        the background deletions."""
+        if not abandon:
+            self.wait()
+        if self._deleter is not None:
+            self._deleter.shutdown(wait=True)
+            self._deleter = None
 
 
 def _split(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -214,6 +214,8 @@ class Checkpoint:
     """Dtype of the weights in a model-only final checkpoint."""
     exclude_from_loading: list[str] = field(default_factory=list)
     """State not to restore on resume: any of model, optimizer, lr_scheduler, dataloader, train_state, rng."""
+    fallback_to_previous: bool = False
+    """When the latest checkpoint is damaged (a shard fails its checksum, DCP cannot read it), resume from the newest earlier complete one with a warning instead of stopping (the steps since then are trained again)."""
 
 
 @dataclass
@@ -259,6 +261,14 @@ class Validation:
 
 
 @dataclass
+class Comm:
+    init_timeout_seconds: float = 600.0
+    """How long a collective may wait during start-up and the first step (rendezvous, model build, checkpoint load, first compile) before the run stops with a message naming the lost rank."""
+    timeout_seconds: float = 600.0
+    """How long a collective may wait after the first step; keep it above the longest legitimate wait (a synchronous checkpoint save, a validation pass, a slow rank's data) and well below the launcher's patience."""
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -272,3 +282,4 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     validation: Validation = field(default_factory=Validation)
+    comm: Comm = field(default_factory=Comm)

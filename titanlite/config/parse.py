@@ -407,6 +407,8 @@ def validate(cfg: JobConfig) -> None:
         p.tensor_parallel_degree >= 1, "parallelism.tensor_parallel_degree", "must be at least 1"
     )
     require(p.ddp_bucket_cap_mb > 0, "parallelism.ddp_bucket_cap_mb", "must be > 0")
+    require(cfg.comm.init_timeout_seconds > 0, "comm.init_timeout_seconds", "must be > 0")
+    require(cfg.comm.timeout_seconds > 0, "comm.timeout_seconds", "must be > 0")
     c = cfg.checkpoint
     require(c.interval >= 1, "checkpoint.interval", "must be at least 1")
     require(c.interval_minutes >= 0, "checkpoint.interval_minutes", "must be >= 0 (0 = off)")

@@ -291,6 +291,62 @@ def test_sigterm_and_sigusr1_save_exit_75_and_resume_exactly(
     assert_same_losses(out, base, range(1, STEPS + 1))
 
 
+SLOW_WRITES = """
+import io, os, time
+_open = io.open
+def _slow_open(file, mode="r", *args, **kwargs):
+    if "w" in mode and os.environ["TEST_SLOW_WRITES"] in str(file) and ".distcp" in str(file):
+        time.sleep(2)
+    return _open(file, mode, *args, **kwargs)
+io.open = _slow_open
+"""
+
+
+def test_sigterm_during_an_async_save_loses_nothing(
+    tmp_path: Path, baseline: tuple[Path, dict]
+) -> None:
+    """SIGTERM while the background save of step-4 is still writing (its shard files are
+    slowed to 2 s each): the trainer finishes that save, saves the step it stops at, exits
+    75, and the resumed run loses no step and matches the baseline."""
+    _, base = baseline
+    out = tmp_path / "run"
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SLOW_WRITES)
+    partial = out / "checkpoint" / "step-4.partial"
+    job = Started(out, "--checkpoint.async_mode", "async", PYTHONPATH=str(hook),
+                  TEST_SLOW_WRITES="step-4.partial")  # fmt: skip
+    job.wait_until("step-4 is being written", partial.is_dir)
+    job.proc.send_signal(signal.SIGTERM)  # while its writer waits 2 s to open the shard
+    assert not (out / "checkpoint" / "step-4").exists()
+    assert job.wait() == EXIT_PREEMPTED, job.output()
+    stopped = max(last_losses(out))
+    dirs = step_dirs(out)  # the slowed save, any later one, and the one at the stop
+    assert 4 < stopped < STEPS and {"step-4", f"step-{stopped}"} <= set(dirs), dirs
+    assert not [d for d in dirs if not d.startswith("step-") or "." in d], dirs
+    result = run(out)
+    assert_ok(result)
+    assert steps_since_last_resume(out) == list(range(stopped + 1, STEPS + 1))
+    assert_same_losses(out, base, range(1, STEPS + 1))
+
+
+def test_a_checkpoint_without_its_sidecar_is_skipped_with_a_warning(
+    tmp_path: Path, baseline: tuple[Path, dict]
+) -> None:
+    """A deleted titanlite.json makes step-8 incomplete: the run says so, resumes from step-4,
+    replaces step-8 with a complete one and matches the baseline."""
+    base_run, base = baseline
+    out = tmp_path / "run"
+    copy_steps(base_run, out, 4, 8)
+    (out / "checkpoint" / "step-8" / "titanlite.json").unlink()
+    result = run(out)
+    assert_ok(result)
+    assert "ignoring" in result.stdout and "step-8: not a complete checkpoint" in result.stdout
+    assert steps_since_last_resume(out) == list(range(5, STEPS + 1))
+    assert_same_losses(out, base, range(5, STEPS + 1))
+    assert read_sidecar(out / "checkpoint" / "step-8")["step"] == 8
+
+
 SLOW_DATA = """
 import time
 import datasets

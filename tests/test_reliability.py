@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -59,11 +60,13 @@ def start_ranks(out: Path, world: int, *args: str) -> tuple[list[subprocess.Pope
     return procs, logs
 
 
-@pytest.mark.parametrize("fault", ["SIGSTOP", "SIGKILL"])
-def test_a_lost_rank_is_named_and_the_others_stop_within_the_timeout(tmp_path, fault):
-    """Rank 1 of 2 frozen (SIGSTOP: its connections stay open, like a node gone from the
-    network) or killed, mid-training: rank 0 stops within comm.timeout_seconds plus a few
-    heartbeats, exit 4, with one line naming rank 1; the checkpoint it had is untouched."""
+@pytest.mark.parametrize(("fault", "victim"), [("SIGSTOP", 1), ("SIGKILL", 1), ("SIGKILL", 0)])
+def test_a_lost_rank_is_named_and_the_others_stop_within_the_timeout(tmp_path, fault, victim):
+    """One rank of 2 frozen (SIGSTOP: its connections stay open, like a node gone from the
+    network) or killed, mid-training: the other stops within comm.timeout_seconds plus a few
+    heartbeats, exit 4, with one line naming the lost rank (rank 0 hosts the rendezvous store
+    in a plain launch: its loss is named as the store's); the checkpoint is untouched."""
+    survivor = 1 - victim
     out = tmp_path / "run"
     procs, logs = start_ranks(
         out, 2, "--training.steps", "100000", "--comm.timeout_seconds", str(TIMEOUT_S),
@@ -76,22 +79,70 @@ def test_a_lost_rank_is_named_and_the_others_stop_within_the_timeout(tmp_path, f
             assert time.monotonic() < deadline, "no steps logged"
             time.sleep(0.05)
         before = sorted(p.name for p in (out / "checkpoint" / "step-4").iterdir())
-        os.kill(procs[1].pid, getattr(signal, fault))
+        os.kill(procs[victim].pid, getattr(signal, fault))
         lost_at = time.monotonic()
-        status = procs[0].wait(timeout=120)
+        status = procs[survivor].wait(timeout=120)
         waited = time.monotonic() - lost_at
     finally:
         for p in procs:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait()
-    output = logs[0].read_text()
+    output = logs[survivor].read_text()
     errors = [line for line in output.splitlines() if line.startswith("titanlite: error:")]
     assert status == EXIT_COMM_FAILURE and len(errors) == 1, output[-3000:]
-    assert "a collective failed at step" in errors[0] and "lost rank 1 (" in errors[0]
+    assert "a collective failed at step" in errors[0]
+    named = "lost rank 1 (" if victim == 1 else "lost the rendezvous store"
+    assert named in errors[0], errors[0]
     assert "RuntimeError" not in errors[0] and ".cc:" not in errors[0]
     # A fifth of the timeout per heartbeat, three missed ones to call a rank lost.
     bound = TIMEOUT_S + 4 * TIMEOUT_S / 5 + 2
-    assert waited < bound, f"rank 0 took {waited:.1f} s to stop (bound {bound:.1f} s)"
-    print(f"{fault}: rank 0 exited {status} {waited:.1f} s after the fault: {errors[0]}")
+    assert waited < bound, f"rank {survivor} took {waited:.1f} s to stop (bound {bound:.1f} s)"
+    print(f"{fault} of rank {victim}: rank {survivor} exited {status} {waited:.1f} s later: "
+          f"{errors[0]}")  # fmt: skip
     assert sorted(p.name for p in (out / "checkpoint" / "step-4").iterdir()) == before
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A 70 MiB tmpfs: room for one checkpoint of the test model (about 41 MiB), not two."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=70m", "tmpfs", str(disk)],
+                             capture_output=True, text=True)  # fmt: skip
+    if mounted.returncode != 0:
+        pytest.skip(f"mounting a tmpfs needs root: {mounted.stderr.strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_a_full_disk_stops_the_run_with_one_line_and_keeps_the_last_checkpoint(
+    small_disk: Path, tmp_path: Path, mode: str
+) -> None:
+    """The disk fills up while step-8 is saved (synchronously, or in the background): one
+    line naming the full device, exit 2, step-4 intact and the partial folder gone; step-4
+    copied to a disk with room resumes and replays steps 5-8 bit for bit."""
+    from test_checkpoint import last_losses, run, steps_since_last_resume
+
+    from titanlite.checkpoint import integrity
+
+    out = small_disk / "run"
+    args = ("--checkpoint.async_mode", mode)
+    result = run(out, *args)
+    assert result.returncode == 2, result.stdout[-3000:]
+    error = result.stdout.strip().splitlines()[-1]
+    assert error.startswith("titanlite: error: checkpoint step-8 could not be written: no space")
+    assert "the previous checkpoint, step 4, is intact" in error, error
+    assert sorted(p.name for p in (out / "checkpoint").iterdir()) == ["step-4"]
+    assert integrity.problems(out / "checkpoint" / "step-4", 1, 0, 1) == []
+    before = last_losses(out)
+
+    elsewhere = tmp_path / "room"
+    shutil.copytree(out, elsewhere)
+    assert run(elsewhere, *args).returncode == 0
+    assert steps_since_last_resume(elsewhere) == list(range(5, 13))
+    after = last_losses(elsewhere)
+    assert {s: after[s] for s in range(5, 9)} == {s: before[s] for s in range(5, 9)}

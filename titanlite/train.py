@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(argv)
         trainer = Trainer(cfg)
         trainer.train()
+        done, trainer = trainer, None
+        done.close()  # inside the try: finishing the last (async) save can still fail
         return EXIT_OK
     except UserError as e:
         return report_error(e, EXIT_USER_ERROR)
@@ -82,8 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         lost = True
         return report_error(CommFailure(failure_message(e)), EXIT_COMM_FAILURE)
     finally:
-        if trainer is not None:
-            trainer.close(abandon=lost)
+        if trainer is not None:  # already failing: a second error would hide the first
+            with contextlib.suppress(UserError):
+                trainer.close(abandon=lost)
         if not lost:  # tearing down groups with a dead peer can hang (NCCL)
             distributed.shutdown()
         # Done (or failed): SIGTERM means "exit now" again, as torchrun means it when it stops

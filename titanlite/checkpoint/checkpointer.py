@@ -268,7 +268,10 @@ class Checkpointer:
                 step, time.perf_counter() - start,
             )  # fmt: skip
         else:
-            dcp.save(tensors, storage_writer=writer)
+            try:
+                dcp.save(tensors, storage_writer=writer)
+            except (Exception, CheckpointException) as e:  # a BaseException; see _write_failed
+                raise self._write_failed(partial, e) from None
             self._finish(partial, final, sidecar, start)
 
     def _snapshot(self, step: int, model_only: bool) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -305,8 +308,33 @@ class Checkpointer:
             return
         future, partial, final, sidecar, start = self._pending
         self._pending = None
-        future.result()
+        try:
+            future.result()
+        except (Exception, CheckpointException) as e:
+            raise self._write_failed(partial, e) from None
         self._finish(partial, final, sidecar, start)
+
+    def _write_failed(self, partial: Path, error: BaseException) -> UserError:
+        """The one-line error for a save that failed (every rank gets DCP's exception): the
+        cause (a full disk said plainly), and that the previous checkpoint is intact. Rank 0
+        removes the partial folder, which is never loaded, to give the space back."""
+        done = complete_checkpoints(self.folder)
+        needed = sum(f.stat().st_size for f in done[-1][1].iterdir()) if done else 0
+        try:
+            free = shutil.disk_usage(partial.parent).free
+        except OSError:
+            free = -1
+        cause = _cause(error)
+        if "No space left" in cause or (needed and 0 <= free < needed):
+            cause = f"no space left on the device ({free / 2**20:.0f} MiB free"
+            cause += f", a checkpoint takes about {needed / 2**20:.0f} MiB)" if needed else ")"
+            cause += "; free some space or lower checkpoint.keep_latest_k"
+        if self.is_main:
+            shutil.rmtree(partial, ignore_errors=True)
+        intact = (f"the previous checkpoint, step {done[-1][0]}, is intact: run the same command "
+                  "to resume from it" if done else "no earlier checkpoint exists")  # fmt: skip
+        name = partial.name.removesuffix(".partial")
+        return UserError(f"checkpoint {name} could not be written: {cause}; {intact}")
 
     def _finish(self, partial: Path, final: Path, sidecar: dict[str, Any], start: float) -> None:
         """Rank 0 marks the checkpoint complete once DCP returned: all shards and the

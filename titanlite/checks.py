@@ -76,6 +76,18 @@ def check_pipeline(cfg: JobConfig, degrees: Degrees, args: Any, problems: Proble
         )
 
 
+def check_experts(cfg: JobConfig, degrees: Degrees, problems: Problems) -> None:
+    """Mixture-of-experts models train with data-parallel layouts only (FSDP, HSDP, DDP)."""
+    for key, degree in (("tensor_parallel_degree", degrees.tp),
+                        ("context_parallel_degree", degrees.cp),
+                        ("pipeline_parallel_degree", degrees.pp)):  # fmt: skip
+        if degree > 1:
+            problems.add(
+                f"parallelism.{key} {degree}: {cfg.model.name} (mixture of experts) trains with "
+                "data parallelism only for now (FSDP, HSDP or DDP); set it to 1"
+            )
+
+
 def check_context(cfg: JobConfig, degrees: Degrees, problems: Problems) -> None:
     """What context parallelism needs: sequences that split into 2 chunks per cp rank, each
     rank's share split again by sequence parallelism; no pipeline stages (not built yet)."""
@@ -121,6 +133,8 @@ def check(cfg: JobConfig, world_size: int) -> Tokenizer | None:
                     )
             if degrees and degrees.pp > 1:
                 check_pipeline(cfg, degrees, args, problems)
+            if degrees and spec.experts:
+                check_experts(cfg, degrees, problems)
     if degrees and degrees.cp > 1:
         check_context(cfg, degrees, problems)
     elif degrees and cfg.training.seq_len % degrees.tp:

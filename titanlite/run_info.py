@@ -64,6 +64,7 @@ def write_run_files(trainer: Trainer) -> None:
     info = {
         "model_name": trainer.spec.name,
         "num_params": trainer.num_params,
+        "active_params": trainer.active_params,
         "flops_per_token": trainer.flops_per_token,
         "world_size": trainer.dist.world_size,
         "parallel_degrees": {dim: degrees.of(dim) for dim in MESH_DIMS},
@@ -82,9 +83,11 @@ def write_run_files(trainer: Trainer) -> None:
     }
     (trainer.dump_folder / "run.json").write_text(json.dumps(info, indent=2) + "\n")
     logger.info(
-        "model %s/%s: %s parameters, %.3g FLOPs per token; global batch %d x %d tokens "
+        "model %s/%s: %s parameters%s, %.3g FLOPs per token; global batch %d x %d tokens "
         "(%d micro-batches per step)",
-        cfg.model.name, cfg.model.flavor, f"{trainer.num_params:,}", trainer.flops_per_token,
+        cfg.model.name, cfg.model.flavor, f"{trainer.num_params:,}",
+        f" ({trainer.active_params:,} active)" if trainer.active_params != trainer.num_params
+        else "", trainer.flops_per_token,
         trainer.global_batch, cfg.training.seq_len, trainer.accum_steps,
     )  # fmt: skip
 
@@ -125,7 +128,7 @@ class StepLogger:
 
     def log(
         self, loss: torch.Tensor, grad_norm: torch.Tensor, seconds: float, tokens: int,
-        data_s: float, eta: float,
+        data_s: float, eta: float, extra: dict[str, float] | None = None,
     ) -> None:  # fmt: skip
         t = self.trainer
         loss_value = float(loss)
@@ -156,6 +159,7 @@ class StepLogger:
             "data_wait_pct": 100 * data_s / seconds,
             "time": time.time(),
             **self.startup_fields,
+            **(extra or {}),  # mixture of experts: load balance, dropped tokens, aux loss
         }
         self.startup_fields = {}
         total = t.cfg.training.steps
@@ -165,4 +169,6 @@ class StepLogger:
             f"tps {tps:,.0f} | mfu {mfu:5.2f}% | mem {record['mem_peak_gib']:.2f}GiB | "
             f"eta {format_duration(eta)}"
         )
+        if extra and "moe_load_max_mean" in extra:  # the busiest expert against the mean
+            console += f" | moe load {extra['moe_load_max_mean']:.2f}"
         t.metrics.log(record, console)

@@ -35,6 +35,7 @@ from titanlite.data.mixture import MixtureLoader, Part
 from titanlite.dtypes import DTYPES
 from titanlite.metrics import MetricsLogger, format_duration, model_state_bytes, peak_flops
 from titanlite.models.layers import count_params
+from titanlite.models.moe import MoETracker
 from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.parallelize import DocumentMask, parallelize
@@ -94,6 +95,7 @@ class Trainer:
         self.preempt_signal: int | None = None
         self._vote: tuple[Any, torch.Tensor] | None = None  # the vote in flight (_read_vote)
         self._lost = False  # a collective failed: a rank is gone
+        self._logging = True  # whether the step in progress is logged
         self._last_save = time.monotonic()  # for checkpoint.interval_minutes
         self._install_signal_handlers()
 
@@ -139,6 +141,8 @@ class Trainer:
         with torch.device("meta"):
             model = self.spec.build(self.model_args)
         self.num_params = count_params(model)
+        active = self.spec.active_params
+        self.active_params = active(self.model_args, self.num_params) if active else self.num_params
         self.flops_per_token = self.spec.flops_per_token(self.model_args, t.seq_len)
         checkpoint_folder = Path(cfg.job.dump_folder) / cfg.checkpoint.folder
         self.model = parallelize(
@@ -151,6 +155,12 @@ class Trainer:
                 self.tokenizer.bos_id, self.tokenizer.eos_id, t.document_positions
             )
         self.params = [p for part in self.model.parts for p in part.parameters() if p.requires_grad]
+        # Mixture-of-experts layers: their balancing loss, routing-bias updates and metrics.
+        experts = MoETracker.find(self.model.parts)
+        self.moe = (
+            MoETracker(experts, self.dims.group("loss"), self.global_batch) if experts else None
+        )
+        self._moe_metrics: dict[str, float] | None = None
         # Under pipeline parallelism each rank holds some stages: norms add up over pp.
         self.stage_group = self.dims.group("pp") if degrees.pp > 1 else None
         self.startup.mark("model")
@@ -221,6 +231,10 @@ class Trainer:
                         for _ in range(self.accum_steps)
                     ]
                     window_data_s += time.perf_counter() - t0
+                    step = self.state.step
+                    self._logging = (
+                        step == first_step or step % cfg.metrics.log_freq == 0 or step == total
+                    )
                     with self.step_logger.sync_check():
                         loss_sum, n_tokens, grad_norm = self.train_step(batches)
                     if self.state.step == first_step:
@@ -230,15 +244,20 @@ class Trainer:
                     window_tokens += sum(y.numel() for _, y in batches)  # this rank's tokens
                     self.state.add_tokens(n_tokens)
 
-                    step = self.state.step
-                    if step == first_step or step % cfg.metrics.log_freq == 0 or step == total:
+                    if self._logging:
                         # Only a logged step reduces its loss and reads values on the host.
                         loss = self.global_loss(loss_sum, n_tokens)
                         now = time.perf_counter()
                         eta = (now - start) / (step - first_step + 1) * (total - step)
                         self._check_finite(loss, grad_norm)
                         self.step_logger.log(
-                            loss, grad_norm, now - window_start, window_tokens, window_data_s, eta
+                            loss,
+                            grad_norm,
+                            now - window_start,
+                            window_tokens,
+                            window_data_s,
+                            eta,
+                            self._moe_metrics,
                         )
                         window_start, window_tokens, window_data_s = time.perf_counter(), 0, 0.0
                     # Validation and checkpoint saves are not training: their time is left out
@@ -304,7 +323,10 @@ class Trainer:
                     ce = self.model.pipeline.forward_backward(inputs, labels, scale)
                 else:
                     ce = cross_entropy_sum(self.model(inputs), labels)
-                    (ce * scale).backward()
+                    loss = ce * scale
+                    if self.moe is not None:  # per sequence of the global batch
+                        loss = loss + self.moe.after_forward() * self.dims.grad_average_size
+                    loss.backward()
             loss_sum += full(ce.detach())
         self.model.finish_gradients()
         grad_norm = clip_grad_norm_(
@@ -314,6 +336,8 @@ class Trainer:
         for optimizer, scheduler in zip(self.optimizers, self.lr_schedulers, strict=True):
             optimizer.step()
             scheduler.step()
+        if self.moe is not None:  # routing biases move (when on) after the step, metrics later
+            self._moe_metrics = self.moe.after_step(log=self._logging)
         if self.model_state is None:  # sizes are fixed after the first step creates them
             self.model_state = model_state_bytes(self.model.parts, self.optimizers)
         for optimizer in self.optimizers:

@@ -33,10 +33,10 @@ class Job:
 
 @dataclass
 class Model:
-    name: Literal["llama3", "qwen3"] = "llama3"
+    name: Literal["llama3", "qwen3", "qwen3_moe"] = "llama3"
     """Model family (docs/models.md)."""
     flavor: str = "debugmodel"
-    """Size preset of the family: llama3 debugmodel, bench, 1B, 3B, 8B, 70B, 405B; qwen3 debugmodel, 0.6B, 1.7B, 4B, 8B, 14B, 32B."""
+    """Size preset of the family: llama3 debugmodel, bench, 1B, 3B, 8B, 70B, 405B; qwen3 debugmodel, 0.6B, 1.7B, 4B, 8B, 14B, 32B; qwen3_moe debugmodel, 30B-A3B, 235B-A22B."""
     tokenizer_path: str = "titanlite/assets/tokenizer.model"
     """Tokenizer: a sentencepiece .model, a Hugging Face tokenizer.json, or a folder holding either (e.g. a downloaded model folder); the vocabulary size follows it."""
     vocab_size: int | None = None
@@ -63,6 +63,24 @@ class Model:
     """Override the flavor's RMSNorm epsilon."""
     tie_embeddings: bool | None = None
     """Override whether the output projection shares the token embedding's weight."""
+    num_experts: int | None = None
+    """Override the number of experts in each mixture-of-experts layer (qwen3_moe)."""
+    top_k: int | None = None
+    """Override how many experts each token goes to (qwen3_moe)."""
+    moe_hidden_dim: int | None = None
+    """Override the width of each expert's SwiGLU (qwen3_moe)."""
+    score_func: Literal["softmax", "sigmoid"] | None = None
+    """Override how the router scores experts: softmax over all, or a sigmoid each (qwen3_moe)."""
+    norm_topk: bool | None = None
+    """Override whether the chosen experts' weights are renormalized to sum to one (qwen3_moe)."""
+    shared_experts: int | None = None
+    """Override the number of shared experts every token also goes through (qwen3_moe)."""
+    aux_loss_coef: float | None = None
+    """Override the weight of the sequence-wise load-balancing loss (qwen3_moe; 0 = none)."""
+    bias_update_rate: float | None = None
+    """Override the auxiliary-loss-free balancing rate: each expert's routing bias moves by this much per step towards an even load (qwen3_moe; 0 = off)."""
+    capacity_factor: float | None = None
+    """Override the expert capacity as a multiple of an even share (qwen3_moe; 0 = dropless)."""
 
 
 @dataclass

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from titanlite.models.llama import SPEC as LLAMA3
 from titanlite.models.qwen3 import SPEC as QWEN3
+from titanlite.models.qwen3_moe import SPEC as QWEN3_MOE
 from titanlite.models.spec import InitRule, ModelSpec
 
-REGISTRY: dict[str, ModelSpec] = {spec.name: spec for spec in (LLAMA3, QWEN3)}
+REGISTRY: dict[str, ModelSpec] = {spec.name: spec for spec in (LLAMA3, QWEN3, QWEN3_MOE)}
 
 __all__ = ["REGISTRY", "InitRule", "ModelSpec", "get"]
 

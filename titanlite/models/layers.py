@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titanlite.models.attention import CausalAttention
+from titanlite.models.moe import MoE
 
 
 class RMSNorm(nn.Module):
@@ -136,7 +137,12 @@ class TransformerBlock(nn.Module):
     def __init__(self, args: Any):
         super().__init__()
         self.attention = Attention(args)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        # A mixture of experts when the family's args have experts (titanlite.models.moe).
+        self.feed_forward: nn.Module = (
+            MoE(args.dim, args)
+            if getattr(args, "num_experts", 0)
+            else FeedForward(args.dim, args.ffn_hidden_dim)
+        )
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
@@ -192,9 +198,13 @@ class Decoder(nn.Module):
         return self.output(self.norm(h)).float()
 
     def init_buffers(self) -> None:
-        """Recompute the RoPE tables on the model's device (after to_empty from meta)."""
+        """Recompute the RoPE tables on the model's device (after to_empty from meta) and
+        start the MoE routing biases at zero (a checkpoint load then overwrites them)."""
         a = self.args
         self.rope = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta).to(self.rope.device)
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.expert_bias.zero_()
 
 
 def count_params(model: nn.Module) -> int:

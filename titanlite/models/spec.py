@@ -98,6 +98,10 @@ class ModelSpec:
     """(alias, owner): the parameter that is the owner's weight when args.tie_embeddings."""
     overrides: tuple[str, ...] = field(default=())
     """``model.*`` config keys that override a flavor's fields (each is a field of args_cls)."""
+    active_params: Callable[[Any, int], int] | None = None
+    """(args, total parameters) -> parameters one token uses (mixtures of experts)."""
+    experts: bool = False
+    """Blocks hold mixture-of-experts layers (only data-parallel layouts for now)."""
 
     # ------------------------------------------------------------------ args
     def make_args(

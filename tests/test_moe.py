@@ -1,0 +1,291 @@
+"""Mixture of experts: the MoE layer against a per-token reference, grouped matmuls, the
+balancing options, the Qwen3-MoE family (counts, Hugging Face round trip with equal logits)
+and the trainer on data-parallel layouts against one process."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from titanlite.models import get
+from titanlite.models.init import init_parameters
+from titanlite.models.layers import Decoder, count_params
+from titanlite.models.moe import MoE, MoETracker, _padded_bmm, grouped_mm
+from titanlite.models.qwen3_moe.args import FLAVORS, Qwen3MoeArgs
+
+REPO = Path(__file__).resolve().parent.parent
+SPEC = get("qwen3_moe")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def moe_args(**changes: object) -> Qwen3MoeArgs:
+    base: dict = dict(
+        dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, num_experts=6, top_k=2,
+        moe_hidden_dim=16, vocab_size=512, max_seq_len=64, tie_embeddings=False,
+    )  # fmt: skip
+    return Qwen3MoeArgs(**(base | changes))
+
+
+def layer(seed: int = 0, **changes: object) -> MoE:
+    torch.manual_seed(seed)
+    moe = MoE(32, moe_args(**changes))
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.3)
+    return moe
+
+
+def reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """The layer written per token and per chosen expert, the obvious way."""
+    flat = x.reshape(-1, x.shape[-1])
+    logits = flat @ moe.router.weight.t()
+    scores = logits.softmax(-1) if moe.score_func == "softmax" else logits.sigmoid()
+    out = torch.zeros_like(flat)
+    for t in range(flat.shape[0]):
+        top = torch.topk(scores[t] + moe.expert_bias, moe.top_k).indices
+        w = scores[t, top]
+        w = w / w.sum() if moe.norm_topk else w
+        for e, weight in zip(top.tolist(), w, strict=True):
+            ex = moe.experts
+            h = F.silu(flat[t] @ ex.w1[e]) * (flat[t] @ ex.w3[e])
+            out[t] += weight * (h @ ex.w2[e])
+        if moe.shared is not None:
+            out[t] += moe.shared(flat[t])
+    return out.view_as(x)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{}, {"score_func": "sigmoid"}, {"norm_topk": False}, {"shared_experts": 2}],
+    ids=["softmax", "sigmoid", "no-renorm", "shared"],
+)
+def test_layer_matches_the_per_token_reference(changes: dict) -> None:
+    moe = layer(**changes)
+    x = torch.randn(3, 10, 32, generator=torch.Generator().manual_seed(1))
+    got = moe(x)
+    assert torch.allclose(got, reference(moe, x), atol=1e-5, rtol=1e-5)
+    assert int(moe.last.counts.sum()) == 3 * 10 * 2 and int(moe.last.dropped) == 0
+
+
+def test_grouped_matmul_and_its_fallback_match_a_loop_forward_and_backward() -> None:
+    g = torch.Generator().manual_seed(0)
+    counts = torch.tensor([3, 0, 5, 1])
+    x = torch.randn(9, 16, generator=g, requires_grad=True)
+    w = torch.randn(4, 16, 8, generator=g, requires_grad=True)
+    pieces = torch.split(x, counts.tolist())
+    want = torch.cat([p @ w[i] for i, p in enumerate(pieces)])
+    grad = torch.randn(9, 8, generator=g)
+    gx, gw = torch.autograd.grad(want, (x, w), grad)
+    for fn in (grouped_mm, _padded_bmm):
+        got = fn(x, w, counts)
+        assert torch.allclose(got, want, atol=1e-6)
+        fx, fw = torch.autograd.grad(got, (x, w), grad)
+        assert torch.allclose(fx, gx, atol=1e-5) and torch.allclose(fw, gw, atol=1e-5)
+
+
+def test_capacity_factor_drops_and_counts_the_overflow() -> None:
+    moe = layer(capacity_factor=1.0)
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        moe.router.weight[0] += 5.0  # every token prefers expert 0 ...
+        moe.router.weight[1] += 4.0  # ... then expert 1
+    x = torch.ones(1, 12, 32)
+    moe(x)
+    capacity = 12 * 2 // 6  # an even share of the 24 slots
+    assert moe.last.counts[:2].tolist() == [12, 12]
+    assert int(moe.last.dropped) == 24 - 2 * capacity
+    dropless = layer()
+    dropless.load_state_dict(moe.state_dict())
+    assert not torch.allclose(dropless(x), moe(x))  # dropped tokens lose the expert output
+
+
+def test_aux_loss_is_per_sequence_so_any_split_of_the_batch_gives_the_same_sum() -> None:
+    moe = layer(aux_loss_coef=0.01)
+    x = torch.randn(4, 10, 32, generator=torch.Generator().manual_seed(2))
+    moe(x)
+    whole = moe.last.aux
+    parts = []
+    for piece in x.split(1):
+        moe(piece)
+        parts.append(moe.last.aux)
+    assert whole > 0 and torch.allclose(whole, torch.stack(parts).sum())
+    # An even router gives the minimum coef x top_k... f = P = uniform -> sum f P = 1.
+    even = layer(aux_loss_coef=1.0)
+    with torch.no_grad():
+        even.router.weight.zero_()
+    even(x)
+    assert torch.isclose(even.last.aux, torch.tensor(4.0), rtol=0.3)
+
+
+def test_bias_update_evens_out_a_skewed_load() -> None:
+    """Tokens that share a direction two of the six experts' router rows favour: the
+    auxiliary-loss-free bias moves routing towards the others, and the max/mean load falls
+    from above 2 to about 1.5 within 20 steps (it then settles, oscillating slightly)."""
+    moe = layer(bias_update_rate=0.02)
+    g = torch.Generator().manual_seed(3)
+    shared = torch.ones(32) / 32**0.5
+    x = torch.randn(4, 32, 32, generator=g) + 2 * shared
+    with torch.no_grad():
+        moe.router.weight.normal_(0, 0.3, generator=g)
+        moe.router.weight[:2] += 1.5 * shared
+    tracker = MoETracker([moe], None, global_batch=4)
+    balance = []
+    for _ in range(30):
+        moe(x)
+        tracker.after_forward()
+        balance.append(tracker.after_step(log=True)["moe_load_max_mean"])
+    assert balance[0] > 2.0, balance
+    assert max(balance[20:]) < 0.8 * balance[0], balance
+    assert moe.expert_bias[:2].max() < 0 < moe.expert_bias[2:].min()
+    # Without the update the skew stays.
+    still = layer(bias_update_rate=0.0)
+    still.load_state_dict(moe.state_dict() | {"expert_bias": torch.zeros(6)})
+    still(x)
+    counts = still.last.counts.float()
+    assert (counts.max() / counts.mean()).item() == pytest.approx(balance[0])
+
+
+def test_published_shapes_and_active_counts() -> None:
+    """Qwen3-30B-A3B and Qwen3-235B-A22B (model cards: 30.5 B / 3.3 B and 235 B / 22 B)."""
+    for flavor, total_b, active_b in (("30B-A3B", 30.5, 3.3), ("235B-A22B", 235, 22)):
+        args = dataclasses.replace(FLAVORS[flavor], vocab_size=151936)
+        with torch.device("meta"):
+            total = count_params(SPEC.build(args))
+        active = SPEC.active_params(args, total)
+        assert abs(total / 1e9 - total_b) / total_b < 0.02, (flavor, total)
+        assert abs(active / 1e9 - active_b) / active_b < 0.04, (flavor, active)
+        # FLOPs count the active weights: about 6 x active per token, far below 6 x total.
+        assert SPEC.flops_per_token(args, 1) < 6.2 * active
+
+
+@pytest.mark.slow
+def test_export_to_transformers_gives_equal_logits_and_imports_back(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    sys.path.insert(0, str(REPO / "scripts"))
+    import convert_from_hf
+    import convert_to_hf
+
+    from titanlite.interop.checkpoint_model import load_checkpoint_model
+
+    args = moe_args(vocab_size=4096)
+    model = Decoder(args)
+    init_parameters(model, lambda name: SPEC.init_rule(args, name), 1)
+    model.init_buffers()
+    with torch.no_grad():  # a router that decides, so a wrong expert order shows
+        for name, p in model.named_parameters():
+            if "router" in name:
+                p.mul_(40)
+    ckpt = write_checkpoint(tmp_path / "step-3", model)
+    out = tmp_path / "hf"
+    assert convert_to_hf.main([str(ckpt), str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["num_experts"] == 6
+    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    x = torch.randint(4, 4096, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = model(x), hf(x).logits.float()
+    assert (ours - theirs).abs().max().item() <= 1e-5 * max(ours.abs().max().item(), 1.0)
+    assert convert_from_hf.main([str(out), str(tmp_path / "back")]) == 0
+    back = load_checkpoint_model(tmp_path / "back")
+    assert back.spec.name == "qwen3_moe" and back.args == model.args
+    with torch.no_grad():
+        assert torch.equal(back.model(x), ours)
+    # Options Hugging Face's layer does not have cannot be exported.
+    shutil.rmtree(out)
+    shared = Decoder(moe_args(vocab_size=4096, shared_experts=1))
+    init_parameters(shared, lambda name: SPEC.init_rule(shared.args, name), 1)
+    assert convert_to_hf.main([str(write_checkpoint(tmp_path / "s" / "step-1", shared)),
+                               str(out)]) == 2  # fmt: skip
+
+
+def write_checkpoint(folder: Path, model: Decoder) -> Path:
+    """A model-only titanlite checkpoint of ``model`` (what the trainer's final save writes)."""
+    import torch.distributed.checkpoint as dcp
+
+    from titanlite.data.tokenizer import DEFAULT_TOKENIZER_PATH
+
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(folder))
+    sidecar = {
+        "format": 2, "step": 3, "model_only": True, "model_name": "qwen3_moe",
+        "model_args": dataclasses.asdict(model.args), "tokenizer": str(DEFAULT_TOKENIZER_PATH),
+    }  # fmt: skip
+    (folder / "titanlite.json").write_text(json.dumps(sidecar))
+    return folder
+
+
+# --------------------------------------------------------------------------- training
+MOE_ARGS = [
+    "--model.name", "qwen3_moe", "--model.n_layers", "2", "--training.steps", "8",
+    "--training.seq_len", "32", "--metrics.log_freq", "1", "--validation.enable", "false",
+    "--checkpoint.interval", "4", "--model.aux_loss_coef", "0.01",
+    "--model.bias_update_rate", "0.001",
+]  # fmt: skip
+
+
+def train(world: int, out: Path, local_batch: int, *args: str) -> dict:
+    import train_scenarios
+    from pool import get_pool
+
+    argv = [*MOE_ARGS, "--training.local_batch_size", str(local_batch),
+            "--job.dump_folder", str(out), *args]  # fmt: skip
+    return get_pool(world).run(train_scenarios.train, argv=argv)[0]
+
+
+def losses(run: dict) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in run["records"] if "loss" in r}
+
+
+@pytest.mark.slow
+def test_data_parallel_layouts_match_one_process_and_resume_across_them(tmp_path: Path) -> None:
+    """qwen3_moe debug (2 layers), fp32, dropless, with the aux loss and the bias update on:
+    FSDP over 2 ranks and titanlite's DDP engine over 2 ranks against one process with the
+    same global batch, 8 steps (relative loss difference <= 1e-5); the 2-rank step-4
+    checkpoint resumes on 1 process; the metrics carry expert load and aux loss."""
+    one = train(1, tmp_path / "one", 4)
+    base = losses(one)
+    assert sorted(base) == list(range(1, 9)) and base[8] < base[1]
+    record = one["records"][-1]
+    assert record["moe_load_max_mean"] >= 1.0 and record["moe_aux_loss"] > 0
+    assert record["moe_dropped_fraction"] == 0.0 and "moe_load_max_mean_1" in record
+    info = one["info"]
+    assert info["active_params"] < info["num_params"]
+    worst = {}
+    ddp = ("--parallelism.data_parallel_replicate_degree", "2")
+    for name, extra in (("fsdp", ()), ("ddp", ddp)):
+        run = losses(train(2, tmp_path / name, 2, *extra))
+        worst[name] = max(abs(run[s] - base[s]) / base[s] for s in base)
+    print(f"moe parity, worst relative loss difference: {worst}")
+    assert all(v <= 1e-5 for v in worst.values()), worst
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "fsdp" / "checkpoint" / "step-4",
+                    resumed_dir / "checkpoint" / "step-4")  # fmt: skip
+    resumed = losses(train(1, resumed_dir, 4))
+    gap = max(abs(resumed[s] - base[s]) / base[s] for s in range(5, 9))
+    print(f"moe resume 2 ranks -> 1: worst relative difference {gap:.3g}")
+    assert sorted(resumed) == list(range(5, 9)) and gap <= 1e-5
+
+
+def test_layouts_moe_cannot_take_yet_are_one_line_errors() -> None:
+    from titanlite.checks import check
+    from titanlite.config import load_config
+    from titanlite.errors import UserError
+
+    for key in ("tensor_parallel_degree", "pipeline_parallel_degree"):
+        cfg = load_config(["--model.name", "qwen3_moe", f"--parallelism.{key}", "2",
+                           "--model.n_layers", "2"])  # fmt: skip
+        with pytest.raises(UserError) as info:
+            check(cfg, 2)
+        lines = [line for line in str(info.value).splitlines() if "mixture of experts" in line]
+        assert lines == [
+            f"parallelism.{key} 2: qwen3_moe (mixture of experts) trains with data "
+            "parallelism only for now (FSDP, HSDP or DDP); set it to 1"
+        ], info.value
+    with pytest.raises(ValueError, match="top_k 9 exceeds num_experts 8"):
+        SPEC.make_args("debugmodel", 4096, 64, {"top_k": 9})

@@ -1,0 +1,227 @@
+"""A mixture-of-experts feed-forward layer, reusable by any decoder family.
+
+A linear router scores every expert for every token (softmax over the experts, or a sigmoid
+each), the token goes to its ``top_k`` experts, and their outputs are summed with the scores
+as weights (renormalized to sum to one with ``norm_topk``). Shared experts, if any, see every
+token. The experts' SwiGLUs run as grouped matrix multiplies over the tokens sorted by expert
+(``torch.nn.functional.grouped_mm`` where it runs, a padded batched matmul elsewhere), never
+as a Python loop over experts.
+
+Balancing, both optional:
+- a sequence-wise auxiliary loss (DeepSeek-V3's): per sequence, ``coef * sum_e f_e * P_e`` with
+  ``f_e`` the share of the sequence's token slots routed to expert e (times the number of
+  experts over top_k, so an even load gives 1 per expert) and ``P_e`` the mean normalized
+  score of e. Being per sequence it does not depend on how the batch is split over ranks;
+- the auxiliary-loss-free bias update (DeepSeek-V3): a per-expert bias added to the scores
+  for choosing experts only (not for weighting them), moved after every step by
+  ``rate * sign(mean load - load)`` from the global token counts.
+
+Dropless by default; a capacity factor caps each expert at ``ceil(factor * slots / experts)``
+token slots per micro-batch (the later ones in token order are dropped and counted).
+
+The layer records, per forward, its auxiliary loss sum, its tokens per expert and its dropped
+slots (``last``); ``MoETracker`` turns them into the loss term, the bias updates and the
+metrics. With activation checkpointing the forward runs again in backward and records again;
+the tracker reads each micro-batch's record right after its forward, so that does no harm.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+_FAST: dict[tuple[str, torch.dtype], bool] = {}
+"""(device type, dtype) -> whether torch's grouped_mm ran there (tried once)."""
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x`` [N, in] sorted by group, group g (``counts[g]`` rows) times ``w[g]``
+    [in, out]: [N, out]. No host synchronization on the fast path."""
+    key = (x.device.type, x.dtype)
+    aligned = all((t.shape[-1] * t.element_size()) % 16 == 0 for t in (x, w))
+    if aligned and _FAST.get(key, True) and hasattr(F, "grouped_mm"):
+        try:
+            out = F.grouped_mm(x, w, offs=torch.cumsum(counts, 0, dtype=torch.int32))
+            _FAST[key] = True
+            return out
+        except (RuntimeError, NotImplementedError):  # not for this device or dtype
+            _FAST[key] = False
+    return _padded_bmm(x, w, counts)
+
+
+def _padded_bmm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The same as one batched matmul over groups padded to the largest (one host read)."""
+    groups = w.shape[0]
+    starts = torch.cumsum(counts, 0) - counts
+    group = torch.repeat_interleave(torch.arange(groups, device=x.device), counts)
+    row = torch.arange(x.shape[0], device=x.device) - starts[group]
+    padded = x.new_zeros(groups, int(counts.max()) if x.shape[0] else 0, x.shape[1])
+    padded[group, row] = x
+    return torch.bmm(padded, w)[group, row]
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` SwiGLUs as three [experts, in, out] weights (w1 gate, w3 up, w2 down)."""
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        hidden = F.silu(grouped_mm(x, self.w1, counts)) * grouped_mm(x, self.w3, counts)
+        return grouped_mm(hidden, self.w2, counts)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+@dataclass
+class Record:
+    """What one forward of a layer saw (tensors on the device, detached except ``aux``)."""
+
+    aux: torch.Tensor  # summed over the micro-batch's sequences, with grad
+    counts: torch.Tensor  # [experts] token slots routed to each (before any drop)
+    dropped: torch.Tensor  # slots over capacity
+
+
+class MoE(nn.Module):
+    """Tokens [batch, seq, dim] -> [batch, seq, dim] through the top-k of ``num_experts``."""
+
+    def __init__(self, dim: int, args: Any):
+        super().__init__()
+        self.num_experts, self.top_k = args.num_experts, args.top_k
+        self.score_func, self.norm_topk = args.score_func, args.norm_topk
+        self.aux_loss_coef, self.capacity_factor = args.aux_loss_coef, args.capacity_factor
+        self.bias_update_rate = args.bias_update_rate
+        self.router = nn.Linear(dim, args.num_experts, bias=False)
+        self.experts = GroupedExperts(args.num_experts, dim, args.moe_hidden_dim)
+        self.shared = (
+            SwiGLU(dim, args.shared_experts * args.moe_hidden_dim) if args.shared_experts else None
+        )
+        # Routing bias of the auxiliary-loss-free balancing: changed by MoETracker, not by
+        # the optimizer; persistent, so a resume continues with it.
+        self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32))
+        self.last: Record | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, seq, dim = x.shape
+        flat = x.reshape(-1, dim)
+        logits = self.router(flat).float()
+        scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
+        choose = scores + self.expert_bias if self.bias_update_rate > 0 else scores
+        chosen = torch.topk(choose, self.top_k, dim=-1).indices  # [tokens, k]
+        weights = scores.gather(-1, chosen)
+        if self.norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True)
+
+        slots = chosen.reshape(-1)  # token t's j-th choice is slot t * k + j
+        counts = torch.bincount(slots, minlength=self.num_experts)
+        order = torch.argsort(slots, stable=True)  # slots grouped by expert, in token order
+        kept, dropped = order, torch.zeros((), dtype=torch.int64, device=x.device)
+        routed = counts
+        if self.capacity_factor > 0:
+            capacity = math.ceil(self.capacity_factor * slots.numel() / self.num_experts)
+            starts = torch.cumsum(counts, 0) - counts
+            rank = torch.arange(slots.numel(), device=x.device) - starts[slots[order]]
+            keep = rank < capacity
+            kept, routed = order[keep], counts.clamp(max=capacity)
+            dropped = (~keep).sum()
+        outputs = self.experts(flat[kept // self.top_k], routed)
+        # Each slot's weighted output in its own row, then the k rows of a token summed:
+        # deterministic, unlike an atomic index_add.
+        combined = torch.zeros(slots.numel(), dim, dtype=outputs.dtype, device=x.device)
+        combined[kept] = outputs * weights.reshape(-1)[kept, None].to(outputs.dtype)
+        out = combined.view(-1, self.top_k, dim).sum(1)
+        if self.shared is not None:
+            out = out + self.shared(flat)
+
+        self.last = Record(self._aux(scores, chosen, bsz, seq), counts.detach(), dropped)
+        return out.view(bsz, seq, dim).to(x.dtype)
+
+    def _aux(self, scores: torch.Tensor, chosen: torch.Tensor, bsz: int, seq: int) -> torch.Tensor:
+        """The sequence-wise balancing loss summed over this micro-batch's sequences."""
+        if self.aux_loss_coef <= 0:
+            return scores.new_zeros(())
+        e, k = self.num_experts, self.top_k
+        hits = torch.zeros(bsz, seq * k, e, device=scores.device)
+        hits.scatter_(-1, chosen.view(bsz, seq * k, 1), 1.0)
+        share = hits.sum(1) * (e / (k * seq))  # f: [batch, experts]
+        normalized = scores / scores.sum(-1, keepdim=True)
+        mean_score = normalized.view(bsz, seq, e).mean(1)  # P: [batch, experts]
+        return self.aux_loss_coef * (share * mean_score).sum()
+
+
+class MoETracker:
+    """The trainer's side of the MoE layers of a model: their auxiliary loss per micro-batch,
+    the bias updates after each step and the per-step metrics.
+
+    Counts are summed over the step's micro-batches on the device; after the step they are
+    all-reduced over ``group`` (the ranks that split the global batch) only when they are
+    needed: every step with the bias update on, otherwise at log steps.
+    """
+
+    def __init__(self, layers: list[MoE], group: Any, global_batch: int):
+        self.layers = layers
+        self.group = group
+        self.global_batch = global_batch
+        self.balancing = any(m.bias_update_rate > 0 for m in layers)
+        self._step: torch.Tensor | None = None  # [layers, experts + 2]: counts, dropped, aux
+
+    @staticmethod
+    def find(parts: list[nn.Module]) -> list[MoE]:
+        return [m for part in parts for m in part.modules() if isinstance(m, MoE)]
+
+    def after_forward(self) -> torch.Tensor:
+        """The micro-batch's auxiliary loss over all layers (to add, divided by the global
+        number of sequences, to the loss); records its counts."""
+        records = [m.last for m in self.layers]
+        aux = torch.stack([r.aux for r in records]).sum()
+        row = torch.stack([
+            torch.cat([r.counts.float(), r.dropped.float().view(1), r.aux.detach().view(1)])
+            for r in records
+        ])  # fmt: skip
+        self._step = row if self._step is None else self._step + row
+        return aux / self.global_batch
+
+    def after_step(self, log: bool) -> dict[str, float] | None:
+        """Bias updates (every step, when on) and, at a log step, the metrics."""
+        step, self._step = self._step, None
+        if step is None or not (self.balancing or log):
+            return None
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(step, group=self.group)
+        counts = step[:, :-2]
+        if self.balancing:
+            with torch.no_grad():
+                for layer, load in zip(self.layers, counts, strict=True):
+                    if layer.bias_update_rate > 0:
+                        push = torch.sign(load.mean() - load) * layer.bias_update_rate
+                        layer.expert_bias.add_(push)
+        if not log:
+            return None
+        balance = (counts.max(1).values / counts.mean(1).clamp(min=1e-9)).tolist()
+        slots = counts.sum(1)
+        dropped = (step[:, -2].sum() / slots.sum().clamp(min=1)).item()
+        metrics = {f"moe_load_max_mean_{i}": v for i, v in enumerate(balance)}
+        metrics.update(
+            moe_load_max_mean=max(balance),
+            moe_dropped_fraction=dropped,
+            moe_aux_loss=(step[:, -1].sum() / self.global_batch).item(),
+        )
+        return metrics

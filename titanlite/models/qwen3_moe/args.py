@@ -1,0 +1,100 @@
+"""Qwen3-MoE shapes: Qwen3MoeArgs and the flavors (plain Python, no torch).
+
+Qwen3-MoE is Qwen3's attention (GQA, per-head q/k RMSNorm, rotate-half RoPE) with a
+mixture-of-experts feed-forward in every layer: a linear router scores the experts (softmax),
+each token goes to its top-k, whose weights are renormalized to sum to one, and each expert is
+a SwiGLU of width ``moe_hidden_dim``. The router, expert and balancing options are the MoE
+layer's own (``titanlite.models.moe``), so later families reuse them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from titanlite.models.decoder import check_decoder_shape
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+
+
+@dataclass
+class Qwen3MoeArgs:
+    dim: int = 2048
+    n_layers: int = 48
+    n_heads: int = 32
+    n_kv_heads: int = 4
+    head_dim: int = 128
+    vocab_size: int = -1  # set from the tokenizer
+    norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_seq_len: int = 4096
+    tie_embeddings: bool = False
+    # The mixture of experts in every layer.
+    num_experts: int = 128
+    top_k: int = 8
+    moe_hidden_dim: int = 768
+    """Width of each expert's SwiGLU."""
+    score_func: str = "softmax"
+    """How the router scores experts: softmax over all of them, or an independent sigmoid each."""
+    norm_topk: bool = True
+    """Renormalize the chosen experts' weights to sum to one."""
+    shared_experts: int = 0
+    """Experts every token goes through besides its top-k (one SwiGLU of width shared_experts x moe_hidden_dim)."""
+    aux_loss_coef: float = 0.0
+    """Weight of the sequence-wise load-balancing loss (0 = none)."""
+    bias_update_rate: float = 0.0
+    """Auxiliary-loss-free balancing: after every step each expert's routing bias moves by this much towards an even load (0 = off)."""
+    capacity_factor: float = 0.0
+    """Tokens an expert takes at most, as a multiple of an even share (0 = dropless); tokens over it are dropped and counted."""
+
+    qk_norm: ClassVar[bool] = True
+    rope_style: ClassVar[str] = "halves"
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        """The width a dense layer of the same active size would have (for FLOPs)."""
+        return self.moe_hidden_dim * (self.top_k + self.shared_experts)
+
+    def check(self) -> None:
+        """Raise ValueError naming the field for shapes the architecture cannot take."""
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "num_experts",
+                     "top_k", "moe_hidden_dim"):  # fmt: skip
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k {self.top_k} exceeds num_experts {self.num_experts}")
+        if self.score_func not in SCORE_FUNCS:
+            raise ValueError(f"score_func must be one of {', '.join(SCORE_FUNCS)}, got "
+                             f"{self.score_func!r}")  # fmt: skip
+        for name in ("shared_experts", "aux_loss_coef", "bias_update_rate", "capacity_factor"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        check_decoder_shape(self)
+
+
+# Published shapes (Qwen3-30B-A3B and Qwen3-235B-A22B config.json), plus a small CPU flavor.
+FLAVORS: dict[str, Qwen3MoeArgs] = {
+    # About 8.1 M parameters (3.4 M active) with the shipped 4 K tokenizer.
+    "debugmodel": Qwen3MoeArgs(
+        dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32, num_experts=8, top_k=2,
+        moe_hidden_dim=256, tie_embeddings=True, aux_loss_coef=0.001,
+    ),
+    "30B-A3B": Qwen3MoeArgs(
+        dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128, num_experts=128,
+        top_k=8, moe_hidden_dim=768, aux_loss_coef=0.001, max_seq_len=40960,
+    ),
+    "235B-A22B": Qwen3MoeArgs(
+        dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, head_dim=128, num_experts=128,
+        top_k=8, moe_hidden_dim=1536, aux_loss_coef=0.001, max_seq_len=40960,
+    ),
+}  # fmt: skip
+
+OVERRIDES = (
+    "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "rope_theta", "norm_eps",
+    "tie_embeddings", "num_experts", "top_k", "moe_hidden_dim", "score_func", "norm_topk",
+    "shared_experts", "aux_loss_coef", "bias_update_rate", "capacity_factor",
+)  # fmt: skip

@@ -329,7 +329,8 @@ def test_report_line_for_expert_parallelism() -> None:
     conv = convert(parsed("[parallelism]\nexpert_parallel_degree = 2\n"))
     assert conv.report_lines()[0] == (
         "blocking: parallelism.expert_parallel_degree = 2: "
-        "titanlite has no MoE models or expert parallelism yet; set it to 1"
+        "titanlite has no expert parallelism yet (its MoE models train with data "
+        "parallelism); set it to 1"
     )
 
 

@@ -66,6 +66,45 @@ def _padded_bmm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch
     return torch.bmm(padded, w)[group, row]
 
 
+def expert_parallel(
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    group: Any,
+    degree: int,
+    experts: Any,
+) -> torch.Tensor:
+    """Expert parallelism's dispatch and combine around ``experts(rows, local_counts)``.
+
+    ``x`` holds this rank's token slots sorted by global expert (``counts`` [E] rows each);
+    expert e lives on rank ``e // (E / degree)`` of ``group``. The rows travel to their
+    experts' ranks (one all-to-all, with the counts exchanged first), are regrouped there from
+    (source rank, expert) to (expert, source rank) order, go through the local experts, and
+    come back in their original order (a second all-to-all). Both all-to-alls carry gradients.
+    The split sizes need one host read of the counts per call.
+    """
+    from torch.distributed.nn.functional import all_to_all_single
+
+    local = counts.numel() // degree
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)
+    by_source = received.view(degree, local)  # [source rank, local expert]
+    send = counts.view(degree, local).sum(1).tolist()
+    recv = by_source.sum(1).tolist()
+    rows = all_to_all_single(x.new_empty(sum(recv), x.shape[1]), x, recv, send, group=group)
+    # Row j of the expert-major order is row index[j] of the source-major order.
+    flat = by_source.reshape(-1)
+    source_start = (torch.cumsum(flat, 0) - flat).view(degree, local).t().reshape(-1)
+    sizes = by_source.t().reshape(-1)
+    target_start = torch.cumsum(sizes, 0) - sizes
+    index = torch.repeat_interleave(source_start - target_start, sizes)
+    index = index + torch.arange(index.numel(), device=x.device)
+    out = experts(rows[index], by_source.sum(0))
+    back = out.new_zeros(out.shape).index_copy(0, index, out)
+    return all_to_all_single(
+        back.new_empty(x.shape[0], out.shape[1]), back, send, recv, group=group
+    )
+
+
 class GroupedExperts(nn.Module):
     """``num_experts`` SwiGLUs as three [experts, in, out] weights (w1 gate, w3 up, w2 down)."""
 

@@ -309,7 +309,10 @@ def test_without_tokenizer_the_vocabulary_follows_titanlite_default() -> None:
             '[parallelism]\npipeline_parallel_schedule = "DualPipeV"\n',
             "parallelism.pipeline_parallel_schedule",
         ),  # fmt: skip
-        ("[parallelism]\nexpert_parallel_degree = 8\n", "parallelism.expert_parallel_degree"),
+        (
+            "[checkpoint]\ninitial_load_in_hf_quantized = true\n",
+            "checkpoint.initial_load_in_hf_quantized",
+        ),  # fmt: skip
         ('[model]\nname = "deepseek_v3"\nflavor = "16B"\n', "model.name"),
         ('[model]\nname = "qwen3"\nflavor = "30B-A3B"\n', "model.flavor"),
         ('[model]\nconverters = ["quantize.linear.float8"]\n', "model.converters"),
@@ -325,13 +328,10 @@ def test_blocking(text: str, key: str) -> None:
     assert any(line.startswith(f"blocking: {key} = ") for line in conv.report_lines())
 
 
-def test_report_line_for_expert_parallelism() -> None:
-    conv = convert(parsed("[parallelism]\nexpert_parallel_degree = 2\n"))
-    assert conv.report_lines()[0] == (
-        "blocking: parallelism.expert_parallel_degree = 2: "
-        "titanlite has no expert parallelism yet (its MoE models train with data "
-        "parallelism); set it to 1"
-    )
+def test_expert_parallel_degree_carries_over() -> None:
+    conv = converted("[parallelism]\nexpert_parallel_degree = 2\n")
+    assert conv.config["parallelism"]["expert_parallel_degree"] == 2
+    assert "parallelism.expert_parallel_degree" not in blocking_keys(conv)
 
 
 def test_context_parallel_degree_carries_over() -> None:
@@ -427,6 +427,10 @@ def test_script_refuses_to_overwrite_without_force(tmp_path: Path) -> None:
     assert tomllib.loads(out.read_text())["model"]["flavor"] == "8B"
 
 
+QUANTIZED = "[checkpoint]\ninitial_load_in_hf_quantized = true\n"
+"""A setting titanlite cannot honour (it blocks a conversion)."""
+
+
 @pytest.mark.parametrize("case", ["missing", "invalid", "titanlite", "blocking"])
 def test_script_errors(tmp_path: Path, case: str) -> None:
     source, out = tmp_path / "in.toml", tmp_path / "out.toml"
@@ -435,14 +439,14 @@ def test_script_errors(tmp_path: Path, case: str) -> None:
     elif case == "titanlite":
         source = REPO / "train_configs" / "debug_model.toml"
     elif case == "blocking":
-        source.write_text(TT_8B.replace("context_parallel_degree = 1", "expert_parallel_degree = 2"))  # fmt: skip
+        source.write_text(TT_8B.replace("[checkpoint]\n", QUANTIZED, 1))
     result = convert_script(source, out)
     assert result.returncode == 2
     assert not out.exists()
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("convert_torchtitan_config: error: ")
     if case == "blocking":
-        assert "blocking: parallelism.expert_parallel_degree = 2" in result.stderr
+        assert "blocking: checkpoint.initial_load_in_hf_quantized = true" in result.stderr
         assert "nothing written" in last
     if case != "blocking":
         assert len(result.stderr.strip().splitlines()) == 1
@@ -470,13 +474,13 @@ def test_run_as_is_loads_the_titanlite_equivalent(
 
 def test_run_as_is_refuses_what_titanlite_cannot_honour_line_by_line(tmp_path: Path) -> None:
     source = tmp_path / "tt.toml"
-    text = TT_DEBUG.replace("context_parallel_degree = 1", "expert_parallel_degree = 2")
+    text = TT_DEBUG.replace("[checkpoint]\n", QUANTIZED, 1)
     source.write_text(text.replace('# converters = ["quantize', 'converters = ["quantize'))
     with pytest.raises(ConfigError) as info:
         load_config(["--job.config_file", str(source)])
     lines = str(info.value).split("\n")
     assert len(lines) == 3 and "cannot honour" in lines[0]
-    assert any("parallelism.expert_parallel_degree = 2" in line for line in lines[1:])
+    assert any("checkpoint.initial_load_in_hf_quantized = true" in line for line in lines[1:])
     assert any("model.converters" in line for line in lines[1:])
 
 

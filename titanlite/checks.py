@@ -135,6 +135,16 @@ def check(cfg: JobConfig, world_size: int) -> Tokenizer | None:
                 check_pipeline(cfg, degrees, args, problems)
             if degrees and spec.experts:
                 check_experts(cfg, degrees, problems)
+                if degrees.ep > 1 and args.num_experts % degrees.ep:
+                    problems.add(
+                        f"parallelism.expert_parallel_degree {degrees.ep} does not divide "
+                        f"model.num_experts {args.num_experts}"
+                    )
+            elif degrees and degrees.ep > 1:
+                problems.add(
+                    f"parallelism.expert_parallel_degree {degrees.ep}: {cfg.model.name} has no "
+                    "experts (a mixture-of-experts model such as qwen3_moe has); set it to 1"
+                )
     if degrees and degrees.cp > 1:
         check_context(cfg, degrees, problems)
     elif degrees and cfg.training.seq_len % degrees.tp:

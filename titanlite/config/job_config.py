@@ -170,6 +170,8 @@ class Parallelism:
     """Ranks that split each layer with tensor parallelism."""
     context_parallel_degree: int = 1
     """Ranks each sequence is split across (context parallelism, for long sequences): 2 chunks per rank, training.seq_len divisible by 2 x cp x tp."""
+    expert_parallel_degree: int = 1
+    """Ranks the experts of mixture-of-experts layers are split across (all-to-all token dispatch); borrowed from data_parallel_shard_degree, which it must divide."""
     ddp_bucket_cap_mb: float = 25.0
     """Gradient bucket size of the data-parallel engine."""
     disable_loss_parallel: bool = False

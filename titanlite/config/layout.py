@@ -3,9 +3,7 @@
 Kept free of torch so the launcher can reject an impossible layout before any process
 starts. The mesh has five named dimensions, outermost first: pp (pipeline stages),
 dp_replicate (replicas), dp_shard (FSDP shards), cp (context parallel) and tp (tensor
-parallel); ep (expert parallel) is a view that borrows ranks from dp_shard x cp x tp.
-The config sets pp, dp_replicate, dp_shard, cp and tp; ep stays 1 until expert
-parallelism exists. ``pipeline_plan`` splits the blocks into pipeline stages.
+parallel); ep (expert parallel) borrows its ranks from dp_shard (the inner ep of them). ``pipeline_plan`` splits the blocks into pipeline stages.
 """
 
 from __future__ import annotations
@@ -32,11 +30,10 @@ class Degrees:
         for name in (*MESH_DIMS, "ep"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"parallelism: the {name} degree must be at least 1")
-        borrowed = self.dp_shard * self.cp * self.tp
-        if borrowed % self.ep:
+        if self.dp_shard % self.ep:
             raise ConfigError(
-                f"parallelism: the expert-parallel degree {self.ep} must divide "
-                f"dp_shard x cp x tp = {borrowed}"
+                f"parallelism.expert_parallel_degree {self.ep} must divide "
+                f"data_parallel_shard_degree {self.dp_shard} (expert parallelism borrows its ranks)"
             )
 
     def of(self, dim: str) -> int:
@@ -66,7 +63,7 @@ class Degrees:
 
     def describe(self) -> str:
         shown = [f"{d}={self.of(d)}" for d in MESH_DIMS if self.of(d) > 1 or d == "dp_shard"]
-        return " x ".join(shown)
+        return " x ".join(shown) + (f" (ep={self.ep} within dp_shard)" if self.ep > 1 else "")
 
 
 def resolve_degrees(cfg: JobConfig, world_size: int) -> Degrees:
@@ -97,7 +94,7 @@ def resolve_degrees(cfg: JobConfig, world_size: int) -> Degrees:
     degrees = Degrees(
         dp_replicate=given["data_parallel_replicate_degree"], dp_shard=shard,
         tp=given["tensor_parallel_degree"], pp=given["pipeline_parallel_degree"],
-        cp=given["context_parallel_degree"],
+        cp=given["context_parallel_degree"], ep=p.expert_parallel_degree,
     )  # fmt: skip
     if degrees.world_size != world_size:
         raise ConfigError(

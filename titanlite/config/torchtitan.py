@@ -78,7 +78,7 @@ MAPPING: dict[str, Rule] = {
     "parallelism.context_parallel_degree": Rule("parallelism.context_parallel_degree", "training.seq_len must divide by 2 x cp x tp; not combined with pipeline parallelism"),
     "parallelism.context_parallel_rotate_method": Rule(note="titanlite all-gathers keys and values over the cp ranks (as allgather)", inert=("allgather",)),
     "parallelism.context_parallel_*": Rule(note="titanlite's context parallelism has no such setting"),
-    "parallelism.expert_parallel_degree": Rule(note="titanlite has no expert parallelism yet (its MoE models train with data parallelism); set it to 1", inert=(1,), blocks=True),
+    "parallelism.expert_parallel_degree": Rule("parallelism.expert_parallel_degree", "borrowed from data_parallel_shard_degree, which it must divide; mixture-of-experts models only"),
     "parallelism.expert_*": Rule(note="only used with expert parallelism"),
     **_same(*(f"checkpoint.{k}" for k in ("enable", "folder", "interval", "keep_latest_k", "load_step", "initial_load_model_only", "last_save_model_only"))),
     "checkpoint.export_dtype": Rule("checkpoint.export_dtype", "titanlite exports float32 or bfloat16"),

@@ -113,10 +113,23 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.ep: tuple[Any, int] | None = None
+        """(group, degree) under expert parallelism (titanlite.parallel.expert): the weights
+        are then DTensors split by expert over the group, and rows are dispatched to them."""
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        hidden = F.silu(grouped_mm(x, self.w1, counts)) * grouped_mm(x, self.w3, counts)
-        return grouped_mm(hidden, self.w2, counts)
+        weights = [
+            w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w3, self.w2)
+        ]
+
+        def swiglu(rows: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+            w1, w3, w2 = weights
+            hidden = F.silu(grouped_mm(rows, w1, sizes)) * grouped_mm(rows, w3, sizes)
+            return grouped_mm(hidden, w2, sizes)
+
+        if self.ep is None:
+            return swiglu(x, counts)
+        return expert_parallel(x, counts, *self.ep, swiglu)
 
 
 class SwiGLU(nn.Module):

@@ -38,12 +38,17 @@ class ParallelDims:
 
     def __post_init__(self) -> None:
         d = self.degrees
+        names, sizes = list(MESH_DIMS), [d.of(n) for n in MESH_DIMS]
+        shard = ("dp_shard",)
+        if d.ep > 1:  # dp_shard split in two: the experts' FSDP ranks outside, ep inside
+            i = names.index("dp_shard")
+            names[i : i + 1] = shard = ("dp_shard_out", "ep")
+            sizes[i : i + 1] = (d.dp_shard // d.ep, d.ep)
+        self.mesh = init_device_mesh(self.device_type, tuple(sizes), mesh_dim_names=tuple(names))
         if d.ep > 1:
-            raise NotImplementedError("expert parallelism is not built yet")
-        self.mesh = init_device_mesh(
-            self.device_type, tuple(d.of(n) for n in MESH_DIMS), mesh_dim_names=MESH_DIMS
-        )
+            self._derived["dp_shard"] = self.mesh[shard]._flatten(mesh_dim_name="dp_shard")
         for role, dims in _DERIVED.items():
+            dims = tuple(n for dim in dims for n in (shard if dim == "dp_shard" else (dim,)))
             self._derived[role] = self.mesh[dims]._flatten(mesh_dim_name=role)
         logger.info("device mesh: %s", d.describe())
 
@@ -77,6 +82,13 @@ class ParallelDims:
         is a part of the total (batch x cp), since context-parallel ranks hold parts of the
         same sequences and their gradients must add up too."""
         return self.degrees.loss
+
+    def expert_fsdp_mesh(self) -> DeviceMesh:
+        """FSDP's mesh for expert weights under expert parallelism: the dp_shard ranks outside
+        the expert-parallel group (with dp_replicate: 2-D, HSDP)."""
+        if self.degrees.dp_replicate > 1:
+            return self.mesh["dp_replicate", "dp_shard_out"]
+        return self.mesh["dp_shard_out"]
 
     def hsdp_or_fsdp_mesh(self) -> DeviceMesh:
         """FSDP's mesh: 2-D (replicate, shard) for HSDP, else the shard dimension; the shard

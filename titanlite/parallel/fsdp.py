@@ -21,9 +21,16 @@ def apply_fsdp(
     param_dtype: str,
     reduce_dtype: str,
     reshard_after_forward: str,
+    experts: DeviceMesh | None = None,
 ) -> None:
     """Each block is one FSDP unit (gathered just before it runs); the root unit holds what
-    is left (embeddings, final norm, output)."""
+    is left (embeddings, final norm, output).
+
+    ``experts`` (mesh), under expert parallelism: each block's expert weights are a unit of
+    their own over that mesh (the dp_shard ranks outside the ep group). Their gradients come
+    out ep times too large (they already sum the ep group's tokens, and FSDP divides by its
+    own mesh's size): ``ParallelModel.finish_gradients`` scales them (gloo has no
+    pre-multiplied reduce-scatter for a custom divide factor)."""
     policy = MixedPrecisionPolicy(
         param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype]
     )
@@ -33,6 +40,12 @@ def apply_fsdp(
         keep = reshard_after_forward == "never" or (
             reshard_after_forward == "default" and i == len(blocks) - 1
         )
+        if experts is not None:
+            for module in block.modules():
+                if getattr(module, "ep", None) is not None:
+                    fully_shard(
+                        module, mesh=experts, mp_policy=policy, reshard_after_forward=not keep
+                    )
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=not keep)
     fully_shard(
         model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward == "always"

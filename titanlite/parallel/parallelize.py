@@ -36,6 +36,7 @@ from titanlite.parallel.blocks import apply_ac, apply_compile
 from titanlite.parallel.context import ContextParallel, apply_cp
 from titanlite.parallel.ddp import BucketedDDP
 from titanlite.parallel.dims import ParallelDims
+from titanlite.parallel.expert import apply_ep, expert_modules
 from titanlite.parallel.fsdp import apply_fsdp
 from titanlite.parallel.materialize import materialize
 from titanlite.parallel.pipeline import Pipeline, split_stage, tied_copy, tied_stage_group
@@ -78,6 +79,10 @@ class ParallelModel:
     pipeline: Pipeline | None = None
     context: ContextParallel | None = None
     documents: DocumentMask | None = None
+    expert_params: list[nn.Parameter] = field(default_factory=list)
+    """Under expert parallelism: the expert weights, whose gradients come out ep times too
+    large from the data-parallel engine (``expert_scale`` undoes it)."""
+    expert_scale: float = 1.0
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits of this rank's tokens from whole sequences [batch, seq] of ids: under
@@ -141,6 +146,9 @@ class ParallelModel:
         replicas and tied copies)."""
         if self.pipeline is not None:
             self.pipeline.finish_gradients()
+        grads = [p.grad for p in self.expert_params if p.grad is not None]
+        if grads and self.expert_scale != 1.0:
+            torch._foreach_mul_([getattr(g, "_local_tensor", g) for g in grads], self.expert_scale)
 
     def train(self, mode: bool = True) -> None:
         for module in self.modules:
@@ -180,6 +188,8 @@ def parallelize(
             apply_tp(part, spec, dims["tp"], loss_parallel=lp)
         if context is not None:
             apply_cp(part, context)
+        if d.ep > 1:
+            apply_ep(part, dims["ep"])
         ac = cfg.activation_checkpoint
         if ac.mode != "none":
             apply_ac(part, spec, ac.mode, ac.selective_ac_option)
@@ -195,11 +205,17 @@ def parallelize(
             apply_fsdp(
                 part, spec, dims.hsdp_or_fsdp_mesh(), t.mixed_precision_param,
                 t.mixed_precision_reduce, reshard,
+                experts=dims.expert_fsdp_mesh() if d.ep > 1 else None,
             )  # fmt: skip
     autocast = None if d.dp_shard > 1 or t.mixed_precision_param == "float32" else torch.bfloat16
     result = ParallelModel(
         parts, list(parts), loss_parallel=lp, autocast_dtype=autocast, context=context
     )
+    if d.ep > 1:
+        result.expert_params = [
+            p for part in parts for m in expert_modules(part) for p in m.parameters()
+        ]
+        result.expert_scale = 1.0 / d.ep
     if device is None:
         return result
     for part in parts:

@@ -277,15 +277,15 @@ def test_layouts_moe_cannot_take_yet_are_one_line_errors() -> None:
     from titanlite.config import load_config
     from titanlite.errors import UserError
 
-    for key in ("tensor_parallel_degree", "pipeline_parallel_degree"):
+    for key in ("context_parallel_degree", "pipeline_parallel_degree"):
         cfg = load_config(["--model.name", "qwen3_moe", f"--parallelism.{key}", "2",
                            "--model.n_layers", "2"])  # fmt: skip
         with pytest.raises(UserError) as info:
             check(cfg, 2)
         lines = [line for line in str(info.value).splitlines() if "mixture of experts" in line]
         assert lines == [
-            f"parallelism.{key} 2: qwen3_moe (mixture of experts) trains with data "
-            "parallelism only for now (FSDP, HSDP or DDP); set it to 1"
+            f"parallelism.{key} 2: qwen3_moe (mixture of experts) trains with data, tensor "
+            "and expert parallelism only for now; set it to 1"
         ], info.value
     with pytest.raises(ValueError, match="top_k 9 exceeds num_experts 8"):
         SPEC.make_args("debugmodel", 4096, 64, {"top_k": 9})
@@ -307,16 +307,21 @@ def test_expert_parallel_dispatch_matches_local_experts(world: int) -> None:
 def test_expert_parallel_layouts_match_one_process_and_resume_across_degrees(
     tmp_path: Path,
 ) -> None:
-    """qwen3_moe debug (8 experts), fp32, dropless: ep 2 (2 ranks), ep 4 and ep 2 x dp_shard 2
-    (4 ranks) against one process with the same global batch, 8 steps (relative loss and
-    gradient-norm differences <= 1e-5); an ep-2 checkpoint resumes on 1 process and a 1-process one on ep 4."""
+    """qwen3_moe debug (8 experts), fp32, dropless, aux loss and bias update on: ep 2 (2
+    ranks), ep 4, ep 2 x dp_shard 2, ep 2 x tp 2 (4 ranks) and tp 2 alone against one process
+    with the same global batch, 8 steps (relative loss and gradient-norm differences <= 1e-5);
+    an ep-2 checkpoint resumes on 1 process and a 1-process one on ep 4."""
     one = train(1, tmp_path / "one", 4)
     base = losses(one)
     base_norm = {r["step"]: r["grad_norm"] for r in one["records"] if "grad_norm" in r}
     worst = {}
-    for name, world, ep in (("ep2", 2, 2), ("ep4", 4, 4), ("ep2_dp2", 4, 2)):
-        run = train(world, tmp_path / name, 4 // world, "--parallelism.expert_parallel_degree",
-                    str(ep))  # fmt: skip
+    tp2 = ("--parallelism.tensor_parallel_degree", "2")
+    layouts = (("ep2", 2, 2, ()), ("ep4", 4, 4, ()), ("ep2_dp2", 4, 2, ()),
+               ("ep2_tp2", 4, 2, tp2), ("tp2", 2, 1, tp2))  # fmt: skip
+    for name, world, ep, extra in layouts:
+        dp = world // (2 if extra else 1)
+        run = train(world, tmp_path / name, 4 // dp, "--parallelism.expert_parallel_degree",
+                    str(ep), *extra)  # fmt: skip
         worst[name] = max(abs(losses(run)[s] - base[s]) / base[s] for s in base)
         # Adam hides a wrong gradient scale from the loss; the gradient norm does not.
         norms = {r["step"]: r["grad_norm"] for r in run["records"] if "grad_norm" in r}

@@ -77,14 +77,14 @@ def check_pipeline(cfg: JobConfig, degrees: Degrees, args: Any, problems: Proble
 
 
 def check_experts(cfg: JobConfig, degrees: Degrees, problems: Problems) -> None:
-    """Mixture-of-experts models train with data-parallel layouts only (FSDP, HSDP, DDP)."""
-    for key, degree in (("tensor_parallel_degree", degrees.tp),
-                        ("context_parallel_degree", degrees.cp),
+    """Mixture-of-experts models train with data, tensor and expert parallelism; not yet with
+    context or pipeline parallelism."""
+    for key, degree in (("context_parallel_degree", degrees.cp),
                         ("pipeline_parallel_degree", degrees.pp)):  # fmt: skip
         if degree > 1:
             problems.add(
                 f"parallelism.{key} {degree}: {cfg.model.name} (mixture of experts) trains with "
-                "data parallelism only for now (FSDP, HSDP or DDP); set it to 1"
+                "data, tensor and expert parallelism only for now; set it to 1"
             )
 
 

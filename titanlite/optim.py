@@ -17,13 +17,17 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices only (norm weights are not decayed)."""
     o = cfg.optimizer
-    decay, no_decay = [], []
+    # Fused and foreach kernels take DTensors or plain tensors, not both in one call: under
+    # tensor parallelism without FSDP a layer that runs on sequence shards (a mixture of
+    # experts) keeps plain weights, so those get groups of their own.
+    by_kind: dict[tuple[bool, bool], list[nn.Parameter]] = {(True, False): [], (False, False): []}
     for p in model.parameters():
         if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
+            by_kind.setdefault((p.ndim >= 2, isinstance(p, DTensor)), []).append(p)
     groups = [
-        {"params": decay, "weight_decay": o.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": params, "weight_decay": o.weight_decay if decay else 0.0}
+        for (decay, _), params in by_kind.items()
+        if params
     ]
     impl = o.implementation
     if impl == "auto":

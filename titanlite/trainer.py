@@ -158,7 +158,7 @@ class Trainer:
         # Mixture-of-experts layers: their balancing loss, routing-bias updates and metrics.
         experts = MoETracker.find(self.model.parts)
         self.moe = (
-            MoETracker(experts, self.dims.group("loss"), self.global_batch) if experts else None
+            MoETracker(experts, self.dims.group("tokens"), self.global_batch) if experts else None
         )
         self._moe_metrics: dict[str, float] | None = None
         # Under pipeline parallelism each rank holds some stages: norms add up over pp.
@@ -323,10 +323,11 @@ class Trainer:
                     ce = self.model.pipeline.forward_backward(inputs, labels, scale)
                 else:
                     ce = cross_entropy_sum(self.model(inputs), labels)
-                    loss = ce * scale
+                    losses = [ce * scale]
                     if self.moe is not None:  # per sequence of the global batch
-                        loss = loss + self.moe.after_forward() * self.dims.grad_average_size
-                    loss.backward()
+                        # A separate root: under loss parallelism the first is a DTensor.
+                        losses.append(self.moe.after_forward() * self.dims.grad_average_size)
+                    torch.autograd.backward(losses)
             loss_sum += full(ce.detach())
         self.model.finish_gradients()
         grad_norm = clip_grad_norm_(

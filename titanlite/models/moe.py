@@ -170,6 +170,10 @@ class MoE(nn.Module):
         # the optimizer; persistent, so a resume continues with it.
         self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32))
         self.last: Record | None = None
+        self.sequence_shards: tuple[Any, int] | None = None
+        """(group, degree) when tensor parallelism hands this layer one shard of each
+        sequence (every rank routes its own tokens): the balancing loss then takes its
+        per-sequence expert shares over the whole sequence, from all the group's shards."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seq, dim = x.shape
@@ -213,9 +217,16 @@ class MoE(nn.Module):
         e, k = self.num_experts, self.top_k
         hits = torch.zeros(bsz, seq * k, e, device=scores.device)
         hits.scatter_(-1, chosen.view(bsz, seq * k, 1), 1.0)
-        share = hits.sum(1) * (e / (k * seq))  # f: [batch, experts]
+        hits = hits.sum(1)
+        if self.sequence_shards is not None:
+            # f needs the whole sequence's counts; P's sum over the shards is the sum of
+            # every shard's loss term, so each rank's gradient covers its own tokens.
+            group, degree = self.sequence_shards
+            dist.all_reduce(hits, group=group)
+            seq *= degree
+        share = hits * (e / (k * seq))  # f: [batch, experts]
         normalized = scores / scores.sum(-1, keepdim=True)
-        mean_score = normalized.view(bsz, seq, e).mean(1)  # P: [batch, experts]
+        mean_score = normalized.view(bsz, -1, e).sum(1) / seq  # P: [batch, experts]
         return self.aux_loss_coef * (share * mean_score).sum()
 
 
@@ -224,8 +235,9 @@ class MoETracker:
     the bias updates after each step and the per-step metrics.
 
     Counts are summed over the step's micro-batches on the device; after the step they are
-    all-reduced over ``group`` (the ranks that split the global batch) only when they are
-    needed: every step with the bias update on, otherwise at log steps.
+    all-reduced over ``group`` (the ranks that route different tokens: the batch's split and,
+    under tensor parallelism, the sequence's) only when they are needed: every step with the
+    bias update on, otherwise at log steps.
     """
 
     def __init__(self, layers: list[MoE], group: Any, global_batch: int):

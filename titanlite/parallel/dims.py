@@ -8,6 +8,8 @@ node. Parallelisms ask for the derived meshes by role:
   batch  dp_replicate x dp_shard       ranks that read different data
   loss   dp_replicate x dp_shard x cp  ranks whose loss sums and token counts add up
   fsdp   dp_shard x cp                 ranks that shard parameters (with dp_replicate: HSDP)
+  tokens dp_replicate x dp_shard x cp x tp   ranks that hold different tokens of a stage where
+                                       a layer runs on sequence shards (the loss mesh without TP)
 """
 
 from __future__ import annotations
@@ -47,14 +49,17 @@ class ParallelDims:
         self.mesh = init_device_mesh(self.device_type, tuple(sizes), mesh_dim_names=tuple(names))
         if d.ep > 1:
             self._derived["dp_shard"] = self.mesh[shard]._flatten(mesh_dim_name="dp_shard")
-        for role, dims in _DERIVED.items():
+        roles = dict(_DERIVED, tokens=(*_DERIVED["loss"], "tp")) if d.tp > 1 else _DERIVED
+        for role, dims in roles.items():
             dims = tuple(n for dim in dims for n in (shard if dim == "dp_shard" else (dim,)))
             self._derived[role] = self.mesh[dims]._flatten(mesh_dim_name=role)
+        if d.tp == 1:
+            self._derived["tokens"] = self._derived["loss"]
         logger.info("device mesh: %s", d.describe())
 
     def __getitem__(self, name: str) -> DeviceMesh:
         """A named dimension (pp, dp_replicate, dp_shard, cp, tp) or a derived mesh (batch,
-        loss, fsdp)."""
+        loss, fsdp, tokens)."""
         return self._derived[name] if name in self._derived else self.mesh[name]
 
     def size(self, name: str) -> int:

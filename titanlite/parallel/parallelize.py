@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titanlite.config import JobConfig
@@ -40,7 +42,7 @@ from titanlite.parallel.expert import apply_ep, expert_modules
 from titanlite.parallel.fsdp import apply_fsdp
 from titanlite.parallel.materialize import materialize
 from titanlite.parallel.pipeline import Pipeline, split_stage, tied_copy, tied_stage_group
-from titanlite.parallel.tensor import apply_tp
+from titanlite.parallel.tensor import apply_tp, local_token_params
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +85,10 @@ class ParallelModel:
     """Under expert parallelism: the expert weights, whose gradients come out ep times too
     large from the data-parallel engine (``expert_scale`` undoes it)."""
     expert_scale: float = 1.0
+    local_token_params: list[nn.Parameter] = field(default_factory=list)
+    """Under tensor parallelism: weights of layers that run on each rank's sequence shard
+    (a mixture of experts), whose gradients are partial sums over ``tp_group``."""
+    tp_group: dist.ProcessGroup | None = None
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits of this rank's tokens from whole sequences [batch, seq] of ids: under
@@ -149,6 +155,13 @@ class ParallelModel:
         grads = [p.grad for p in self.expert_params if p.grad is not None]
         if grads and self.expert_scale != 1.0:
             torch._foreach_mul_([getattr(g, "_local_tensor", g) for g in grads], self.expert_scale)
+        partial = [p.grad for p in self.local_token_params if p.grad is not None]
+        if partial:  # one all-reduce for all of them
+            local = [getattr(g, "_local_tensor", g) for g in partial]
+            flat = _flatten_dense_tensors(local)
+            dist.all_reduce(flat, group=self.tp_group)
+            for g, summed in zip(local, _unflatten_dense_tensors(flat, local), strict=True):
+                g.copy_(summed)
 
     def train(self, mode: bool = True) -> None:
         for module in self.modules:
@@ -216,6 +229,9 @@ def parallelize(
             p for part in parts for m in expert_modules(part) for p in m.parameters()
         ]
         result.expert_scale = 1.0 / d.ep
+    if d.tp > 1:
+        result.local_token_params = [p for part in parts for p in local_token_params(part)]
+        result.tp_group = dims.group("tp")
     if device is None:
         return result
     for part in parts:

@@ -9,10 +9,11 @@ sharded along the vocabulary and the cross-entropy is computed on the shards.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -25,6 +26,35 @@ from torch.distributed.tensor.parallel import (
 from titanlite.models.spec import ModelSpec, TPStyle
 
 logger = logging.getLogger(__name__)
+
+
+class LocalTokens(ParallelStyle):
+    """The module runs unchanged on this rank's shard of each sequence (a local tensor, as
+    sequence parallelism leaves it) with its weights whole on every TP rank: a mixture of
+    experts routes its own tokens. Each TP rank's weight gradients then cover its tokens
+    only; ``ParallelModel.finish_gradients`` sums them over TP (``local_token_params``).
+    The module gets the TP group as ``sequence_shards`` (group, degree), for statistics
+    that are per whole sequence."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_pre_hook(_local_inputs)
+        module.sequence_shards = (device_mesh.get_group(), device_mesh.size())
+        return module
+
+
+def _local_inputs(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(a.to_local() if isinstance(a, DTensor) else a for a in args)
+
+
+def local_token_params(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of the modules split as ``local_tokens``, whose gradients are partial
+    sums over TP (call after every other transformation: FSDP replaces parameters)."""
+    return [
+        p
+        for m in model.modules()
+        if getattr(m, "sequence_shards", None) is not None
+        for p in m.parameters()
+    ]
 
 
 def _style(name: TPStyle, loss_parallel: bool) -> ParallelStyle:
@@ -49,6 +79,8 @@ def _style(name: TPStyle, loss_parallel: bool) -> ParallelStyle:
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,
         )
+    if name == "local_tokens":
+        return LocalTokens()
     raise ValueError(f"unknown tensor-parallel style {name!r}")
 
 

@@ -17,11 +17,14 @@ from titanlite.models.qwen3 import TP_PLAN as QWEN3_TP_PLAN
 from titanlite.models.qwen3_moe.args import FLAVORS, OVERRIDES, Qwen3MoeArgs
 from titanlite.models.spec import InitRule, TensorParallelPlan
 
-# Attention only: the experts are not split by tensor parallelism (checks.py refuses TP for
-# mixture-of-experts models until expert parallelism exists).
+# Attention is split as in Qwen3; the mixture of experts (router, experts, shared experts)
+# runs whole on each TP rank's shard of the sequence, routing those tokens itself.
 TP_PLAN = TensorParallelPlan(
     root=QWEN3_TP_PLAN.root,
-    block={k: v for k, v in QWEN3_TP_PLAN.block.items() if not k.startswith("feed_forward")},
+    block={
+        **{k: v for k, v in QWEN3_TP_PLAN.block.items() if not k.startswith("feed_forward")},
+        "feed_forward": "local_tokens",
+    },
 )
 
 

@@ -95,8 +95,10 @@ def test_a_lost_rank_is_named_and_the_others_stop_within_the_timeout(tmp_path, f
     named = "lost rank 1 (" if victim == 1 else "lost the rendezvous store"
     assert named in errors[0], errors[0]
     assert "RuntimeError" not in errors[0] and ".cc:" not in errors[0]
-    # A fifth of the timeout per heartbeat, three missed ones to call a rank lost.
-    bound = TIMEOUT_S + 4 * TIMEOUT_S / 5 + 2
+    # A fifth of the timeout per heartbeat, three missed ones to call a rank lost: 4-7 s on a
+    # quiet machine (docs/reliability.md). The bound doubles that and adds slack for a loaded CI
+    # machine (9.5 s was seen there); it still fails at torch's default of 30 minutes.
+    bound = 2 * (TIMEOUT_S + 4 * TIMEOUT_S / 5) + 10
     assert waited < bound, f"rank {survivor} took {waited:.1f} s to stop (bound {bound:.1f} s)"
     print(f"{fault} of rank {victim}: rank {survivor} exited {status} {waited:.1f} s later: "
           f"{errors[0]}")  # fmt: skip

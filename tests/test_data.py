@@ -374,6 +374,52 @@ def test_validation_last_batch_is_padded_equally_on_all_ranks(tok: Tokenizer, co
     assert real.tolist() == expected
 
 
+def test_validation_batches_kept_on_disk_come_back_for_the_same_key_only(
+    tok: Tokenizer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What a restarted trainer reads instead of rescanning (titanlite.data.held_out)."""
+    from dataclasses import replace
+
+    from titanlite.data import held_out
+
+    source = write_folder(tmp_path / "docs", make_docs(12, seed=4))
+    spec = spec_for(source, validation_fraction=0.25, local_batch_size=2)
+    batches = list(build_dataloader(tok, spec, 1, 2, "validation"))  # rank 1 of 2
+    assert len(batches) >= 2
+    key = held_out.batches_key(spec, tok.fingerprint, 1, 2, -1)
+    path = tmp_path / "run" / "validation" / "dp1-of-2.pt"
+    assert held_out.load(path, key) is None  # nothing kept yet
+    held_out.save(path, key, batches)
+    assert [f.name for f in path.parent.iterdir()] == [path.name]  # no temporary file left
+    back = held_out.load(path, key)
+    assert back is not None and len(back) == len(batches)
+    for (x, y), (a, b) in zip(back, batches, strict=True):
+        assert torch.equal(x, a) and torch.equal(y, b)
+
+    # Everything that determines the batches changes the key, and another key reads nothing.
+    others = [
+        held_out.batches_key(replace(spec, seq_len=16), tok.fingerprint, 1, 2, -1),
+        held_out.batches_key(replace(spec, local_batch_size=3), tok.fingerprint, 1, 2, -1),
+        held_out.batches_key(replace(spec, validation_fraction=0.3), tok.fingerprint, 1, 2, -1),
+        held_out.batches_key(replace(spec, dataset_path=str(tmp_path)), tok.fingerprint, 1, 2, -1),
+        held_out.batches_key(spec, "0" * 16, 1, 2, -1),
+        held_out.batches_key(spec, tok.fingerprint, 0, 2, -1),
+        held_out.batches_key(spec, tok.fingerprint, 1, 4, -1),
+        held_out.batches_key(spec, tok.fingerprint, 1, 2, 3),
+    ]
+    assert len({key, *others}) == len(others) + 1
+    assert held_out.load(path, others[0]) is None
+    (source / "005.txt").write_text("another text, the same file name", encoding="utf-8")
+    assert held_out.batches_key(spec, tok.fingerprint, 1, 2, -1) != key  # the data changed
+    assert held_out.batches_key(spec, tok.fingerprint, 1, 2, -1) not in others
+
+    # A damaged file is only a cache: ignored with a warning.
+    path.write_bytes(path.read_bytes()[:200])
+    with caplog.at_level("WARNING"):
+        assert held_out.load(path, key) is None
+    assert f"ignoring {path}" in caplog.text
+
+
 def test_no_validation_split_when_fraction_is_zero(tok: Tokenizer, corpus: Path) -> None:
     with pytest.raises(UserError, match="validation_fraction is 0"):
         build_dataloader(tok, spec_for(corpus, validation_fraction=0.0), 0, 1, "validation")

@@ -118,6 +118,36 @@ def test_bad_folders_are_one_line_errors(tmp_path, tok, spec):
         pretokenize(other, tok, good, progress=False)
 
 
+def test_corrupt_metadata_and_out_of_vocabulary_ids_are_one_line_errors(tmp_path, tok, spec):
+    good = tmp_path / "good"
+    pretokenize(spec, tok, good, shard_tokens=500, progress=False)
+    TokenFolder(good, "train").read(0, 100)  # intact: reads
+
+    cut = tmp_path / "cut-json"
+    shutil.copytree(good, cut)
+    meta = cut / META_NAME
+    meta.write_text(meta.read_text()[:-40])  # half-written tokens.json
+    with pytest.raises(UserError, match=r"tokens.json: unreadable or corrupt \(") as raised:
+        TokenFolder(cut, "train")
+    assert "\n" not in str(raised.value)
+    meta.write_text('{"format": 99}')
+    with pytest.raises(UserError, match="not a titanlite token folder of format 1"):
+        TokenFolder(cut, "train")
+
+    # Same size and index, one id past the vocabulary (only --verify's checksums see it).
+    wild = tmp_path / "wild"
+    shutil.copytree(good, wild)
+    shard = wild / "train-00000.bin"
+    data = np.fromfile(shard, dtype=np.uint16)
+    data[50] = tok.vocab_size + 3
+    data.tofile(shard)
+    folder = TokenFolder(wild, "train")
+    folder.read(0, 50)  # the ids before it are fine
+    message = f"token id {tok.vocab_size + 3} >= vocabulary size {tok.vocab_size} near token 40"
+    with pytest.raises(UserError, match=message):
+        folder.read(40, 20)
+
+
 def test_an_empty_source_says_so(tmp_path, tok):
     source = write_jsonl(tmp_path / "empty.jsonl", ["", "  "])
     with pytest.raises(UserError, match="no documents in"):
@@ -200,6 +230,29 @@ TRAIN_ARGS = [
     "--validation.freq", "6", "--validation.steps", "2",
 ]  # fmt: skip
 PARITY_RTOL = 1e-6
+
+
+@pytest.mark.slow
+def test_a_truncated_shard_stops_a_trainer_process_with_one_error_line(tmp_path, tok, spec):
+    """A real `python -m titanlite.train` (one process, no torchrun) on a folder whose shard
+    lost its last token: refused while building the loader, before the model; status 2."""
+    folder = tmp_path / "tokens"
+    pretokenize(spec, tok, folder, shard_tokens=500, progress=False)
+    shard = folder / "train-00001.bin"
+    shard.write_bytes(shard.read_bytes()[:-2])
+    cmd = [
+        sys.executable, "-m", "titanlite.train", "--job.config_file", DEBUG_CONFIG, *TRAIN_ARGS,
+        "--training.dataset_path", str(folder), "--job.dump_folder", str(tmp_path / "run"),
+    ]  # fmt: skip
+    result = subprocess.run(
+        cmd, cwd=REPO, env=subprocess_env(tmp_path), capture_output=True, text=True, timeout=120
+    )
+    output = result.stdout + result.stderr
+    errors = [line for line in output.splitlines() if line.startswith("titanlite: error:")]
+    assert result.returncode == 2, output[-3000:]
+    assert len(errors) == 1, output[-3000:]
+    assert str(shard) in errors[0] and "truncated or corrupt shard" in errors[0], errors[0]
+    assert "Traceback" not in output
 
 
 @pytest.fixture(scope="module")
@@ -314,6 +367,28 @@ def test_interleaving_gives_each_dataset_its_share_of_every_prefix():
             assert abs(got / 50_000 - w / total) < 1e-4
 
 
+def test_the_worst_deviation_over_a_run_is_the_worst_of_every_prefix(monkeypatch):
+    """worst_deviation_upto(k) (the run's figure, from the rule's period) against the brute
+    force over every prefix; at 2^-6 weight units the period is 64 windows, so k up to 3,000
+    crosses it dozens of times."""
+    from titanlite.data import mixture
+
+    for units in (1 << 6, 1 << 20):
+        monkeypatch.setattr(mixture, "_WEIGHT_DENOMINATOR", units)
+        for weights in ([0.7, 0.3], [5, 3, 1, 1], [1, 1, 1], [0.9, 0.05, 0.05]):
+            mix = mixture.Interleave(weights)
+            worst = 0.0
+            for k in range(3_000):
+                worst = max(worst, mix.worst_deviation(k))
+                if k % 37 == 0 or k == 2_999:
+                    assert mix.worst_deviation_upto(k) == pytest.approx(worst, abs=1e-9), (k, units)
+            assert mix.worst_deviation_upto(10**12) <= 1.0  # any run length: one pass of <= U
+    # The deviation at the end can be 0 while the run strayed: 10 periods of 64 windows.
+    monkeypatch.setattr(mixture, "_WEIGHT_DENOMINATOR", 1 << 6)
+    mix = mixture.Interleave([0.7, 0.3])
+    assert mix.worst_deviation(640) == 0 < mix.worst_deviation_upto(640)
+
+
 @pytest.fixture()
 def two_folders(tmp_path: Path, tok: Tokenizer) -> tuple[Path, Path]:
     out = []
@@ -425,12 +500,14 @@ def test_training_on_a_mixture_reports_each_datasets_validation_loss(
     assert min(parts.values()) < record["val_loss"] < max(parts.values())
     logs = "\n".join(pool.last_logs[0])
     assert "data mixture after 24 windows: tokens 75.00% (weight 75.00%)" in logs, logs[-2000:]
+    assert "now, at most 0.50 over the run" in logs, logs[-2000:]  # weights 3:1, every prefix
 
 
 @pytest.mark.slow
 def test_later_validation_passes_reuse_the_first_passes_batches(tmp_path: Path) -> None:
     """The text stream finds held-out documents by scanning the corpus: only the first pass
-    does; the second (same weights) gives the identical loss from the kept batches."""
+    does; the second (same weights) gives the identical loss from the kept batches, and so
+    does a restarted trainer, from the batches each rank kept in the dump folder."""
     argv = [*TRAIN_ARGS, "--job.dump_folder", str(tmp_path / "run"), "--validation.steps", "3",
             "--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2"]  # fmt: skip
     pool = get_pool(2)
@@ -439,10 +516,19 @@ def test_later_validation_passes_reuse_the_first_passes_batches(tmp_path: Path) 
     logs = pool.last_logs[0]
     assert sum("kept for later passes" in line for line in logs) == 1, logs
     assert sum("data: first validation batch" in line for line in logs) == 1, logs
+    # A restart in the same dump folder reads each rank's kept batches from disk: no scan.
+    assert sorted(p.name for p in (tmp_path / "run" / "validation").iterdir()) == [
+        "dp0-of-2.pt", "dp1-of-2.pt",
+    ]  # fmt: skip
+    restarted = pool.run(train_scenarios.validate_twice, argv=argv)[0]
+    assert [r["val_loss"] for r in restarted[-2:]] == [first["val_loss"]] * 2
+    logs = pool.last_logs[0]
+    assert sum("3 batches read from" in line for line in logs) == 1, logs
+    assert not any("data: first validation batch" in line for line in logs), logs
     # Over the cache's size (here: 2 of the 3 batches), every pass reads them again.
     small = 2 * 2 * 64 * 8 * 2  # two batches of 2 x 64 int64 inputs and labels
     again = pool.run(train_scenarios.validate_twice, argv=argv, cache_bytes=small)[0]
-    assert again[0]["val_loss"] == again[1]["val_loss"] == first["val_loss"]
+    assert again[-2]["val_loss"] == again[-1]["val_loss"] == first["val_loss"]  # appended
     logs = pool.last_logs[0]
     assert sum("over the 0 MiB cache" in line for line in logs) == 1, logs  # found once
     assert sum("data: first validation batch" in line for line in logs) == 2, logs

@@ -30,8 +30,9 @@ from titanlite.config import (
     resolve_degrees,
 )
 from titanlite.config.parse import dataset_name
-from titanlite.data import IGNORE_INDEX, DataSpec, build_dataloader
+from titanlite.data import IGNORE_INDEX, DataSpec, build_dataloader, held_out
 from titanlite.data.mixture import MixtureLoader, Part
+from titanlite.data.tokens import is_token_folder
 from titanlite.dtypes import DTYPES
 from titanlite.metrics import MetricsLogger, format_duration, model_state_bytes, peak_flops
 from titanlite.models.layers import count_params
@@ -122,7 +123,8 @@ class Trainer:
         self.mixture = mixture_parts(cfg, self.data)
         # Every validation pass reads the same batches: the first pass's are kept (within
         # VALIDATION_CACHE_BYTES per rank), so later ones neither rescan the corpus for the
-        # held-out documents nor tokenize them again.
+        # held-out documents nor tokenize them again; a text stream's also on disk, for a
+        # restart in the same dump folder (titanlite.data.held_out).
         self._validation_cache: dict[DataSpec, list] = {}
         self._validation_uncached: set[DataSpec] = set()
         if self.mixture:
@@ -431,9 +433,13 @@ class Trainer:
             f"{name} {share:.2%} (weight {part.weight:.2%})"
             for (name, share), part in zip(loader.realized().items(), self.mixture, strict=True)
         )
+        # Host arithmetic on the window count alone (no device sync): the deviation now, and
+        # the worst over every prefix of the run (exact, from the rule's period).
         logger.info(
-            "data mixture after %d windows: %s; worst deviation %.1f windows",
+            "data mixture after %d windows: %s; deviation from the weights %.2f windows now, "
+            "at most %.2f over the run",
             k, shares, loader.interleave.worst_deviation(k),
+            loader.interleave.worst_deviation_upto(k),
         )  # fmt: skip
 
     @torch.no_grad()
@@ -470,6 +476,23 @@ class Trainer:
         cfg = self.cfg
         loss_group = self.dims.group("loss")
         cached = self._validation_cache.get(spec)
+        recorded_bytes = sum(_nbytes(kept) for kept in self._validation_cache.values())
+        disk = None  # a text stream's file of batches, for a restart: (path, key)
+        text = not is_token_folder(spec.dataset_path)  # a folder's windows are cheap to read
+        if cached is None and text and spec not in self._validation_uncached:
+            b = self.dims
+            key = held_out.batches_key(
+                spec, self.tokenizer.fingerprint, b.batch_rank, b.batch_size, cfg.validation.steps
+            )
+            disk = (self.dump_folder / "validation" / f"dp{b.batch_rank}-of-{b.batch_size}.pt", key)
+            cached = held_out.load(*disk)
+            # The same batches a scan would give, so ranks may differ in which read them; one
+            # kept under a larger cache is read as a first pass would be.
+            if cached is not None and recorded_bytes + _nbytes(cached) <= VALIDATION_CACHE_BYTES:
+                self._validation_cache[spec] = cached
+                logger.info("validation: %d batches read from %s", len(cached), disk[0])
+            else:
+                cached = None
         if cached is None:
             loader = build_dataloader(
                 self.tokenizer, spec, self.dims.batch_rank, self.dims.batch_size, "validation"
@@ -478,10 +501,6 @@ class Trainer:
             it, recorded = iter(loader), None if spec in self._validation_uncached else []
         else:
             loader, it, recorded = None, iter(cached), None
-        recorded_bytes = sum(
-            t.numel() * t.element_size()
-            for kept in self._validation_cache.values() for b in kept for t in b
-        )  # fmt: skip
         self.model.train(False)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         count = torch.zeros((), device=self.device, dtype=torch.float64)
@@ -490,7 +509,7 @@ class Trainer:
             batch = next(it, None)
             if recorded is not None and batch is not None:
                 recorded.append(batch)
-                recorded_bytes += sum(t.numel() * t.element_size() for t in batch)
+                recorded_bytes += _nbytes([batch])
                 if recorded_bytes > VALIDATION_CACHE_BYTES:  # the same on every rank
                     logger.info(
                         "validation: the batches are over the %d MiB cache; every pass reads "
@@ -522,6 +541,8 @@ class Trainer:
                 "validation: %d batches kept for later passes (%.1f MiB in all)",
                 len(recorded), recorded_bytes / 2**20,
             )  # fmt: skip
+            if disk is not None:
+                held_out.save(*disk, recorded)
         loss_sum = distributed.all_reduce(loss_sum, dist.ReduceOp.SUM, loss_group)
         count = distributed.all_reduce(count, dist.ReduceOp.SUM, loss_group)
         return float(loss_sum), int(count)
@@ -551,6 +572,11 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     return F.cross_entropy(
         logits.flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX
     )
+
+
+def _nbytes(batches: list) -> int:
+    """Bytes held by a list of (inputs, labels) batches."""
+    return sum(t.numel() * t.element_size() for batch in batches for t in batch)
 
 
 def full(value: torch.Tensor) -> torch.Tensor:

@@ -16,17 +16,22 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 import train_scenarios
 from conftest import REPO, subprocess_env
 from pool import get_pool
 
 from titanlite.checkpoint import integrity
-from titanlite.checkpoint.folders import read_sidecar
+from titanlite.checkpoint.checkpointer import Checkpointer, ModelIdentity
+from titanlite.checkpoint.folders import complete_checkpoints, read_sidecar
+from titanlite.config.job_config import Checkpoint as CheckpointConfig
 from titanlite.errors import EXIT_PREEMPTED, UserError
 
 pytestmark = pytest.mark.slow
@@ -253,6 +258,70 @@ def test_kill_during_save_resumes_from_previous_and_retention(
     assert steps_since_last_resume(out) == list(range(5, STEPS + 1))
     assert_same_losses(out, base, range(1, STEPS + 1))
     assert step_dirs(out) == ["step-12", "step-8"]  # partial replaced, step-4 retired
+
+
+STALL_SHARD = """
+import io, os, time
+_open = io.open
+class _Stalled:
+    def __init__(self, f):
+        self._f, self._n = f, 0
+    def write(self, b):
+        n = self._f.write(b)
+        self._n += n
+        if self._n >= 1 << 20:  # a MiB of the shard is written: stop here, mid-write
+            self._f.flush()
+            _open(os.environ["TEST_STALLED"], "w").close()
+            time.sleep(600)
+        return n
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+    def __enter__(self):
+        return self
+    def __exit__(self, *exc):
+        return self._f.__exit__(*exc)
+def _stalling_open(file, mode="r", *args, **kwargs):
+    f = _open(file, mode, *args, **kwargs)
+    name = str(file)
+    if "w" in mode and os.environ["TEST_STALL_SHARD"] in name and name.endswith(".distcp"):
+        return _Stalled(f)
+    return f
+io.open = _stalling_open
+"""
+
+
+def test_kill_during_the_dcp_write_leaves_the_previous_checkpoint_untouched(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL while DCP writes step-8 (1 MiB into its shard file, no .metadata yet): step-4
+    keeps every file as it was (size, mtime, checksums), and the next run resumes from it and
+    replays steps 5-8 with the same losses. 8 steps: the kill comes during the last save."""
+    out = tmp_path / "run"
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(STALL_SHARD)
+    stalled = tmp_path / "stalled"
+    eight = ("--training.steps", "8")
+    victim = Started(out, *eight, PYTHONPATH=str(hook), TEST_STALL_SHARD="step-8.partial",
+                     TEST_STALLED=str(stalled))  # fmt: skip
+    victim.wait_until("step-8's shard is half-written", stalled.exists)
+    step4, partial = out / "checkpoint" / "step-4", out / "checkpoint" / "step-8.partial"
+    before = snapshot(step4)
+    victim.proc.send_signal(signal.SIGKILL)
+    assert victim.wait() == -signal.SIGKILL
+    assert step_dirs(out) == ["step-4", "step-8.partial"]
+    assert (partial / "__0_0.distcp").stat().st_size >= 1 << 20
+    assert not (partial / ".metadata").exists() and not (partial / "titanlite.json").exists()
+    trained = last_losses(out)
+    assert sorted(trained) == list(range(1, 9))
+
+    result = run(out, *eight)
+    assert_ok(result)
+    assert "checkpoint/step-4" in result.stdout
+    assert steps_since_last_resume(out) == [5, 6, 7, 8]
+    assert last_losses(out) == trained  # steps 5-8 again, bit for bit
+    assert snapshot(step4) == before and integrity.problems(step4, 1, 0, 1) == []
+    assert step_dirs(out) == ["step-4", "step-8"]
 
 
 # --------------------------------------------------------------------------- preemption
@@ -566,6 +635,91 @@ def test_retired_checkpoints_stop_being_checkpoints_before_their_files_go(
     assert_same_losses(out, base, range(9, STEPS + 1))
     assert step_dirs(out) == ["step-12"]  # step-8 retired, the leftover removed
     assert "removing" in result.stdout and "step-8" in result.stdout
+
+
+def test_a_swap_killed_half_way_is_undone_at_start_up(tmp_path: Path) -> None:
+    """Saving a step that exists (after a load_step rewind) moves the old folder aside as
+    step-N.stale, then renames the new one in. Start-up puts a step-N.stale back when step-N is
+    missing (killed between the renames: it is the only complete copy), deletes it when step-N
+    is complete, and leaves it beside a step-N that is not complete (in-process, no launch)."""
+    folder = tmp_path / "checkpoint"
+
+    def fake(name: str, tag: str, complete: bool = True) -> None:
+        path = folder / name
+        path.mkdir(parents=True)
+        (path / "tag").write_text(tag)
+        (path / ".metadata").write_bytes(b"")
+        if complete:
+            (path / "titanlite.json").write_text("{}")
+
+    fake("step-4.stale", "old 4")  # killed between the two renames
+    fake("step-4.partial", "new 4")  # complete but never loaded; replaced by the next save
+    fake("step-8", "new 8")  # killed after both renames
+    fake("step-8.stale", "old 8")
+    fake("step-8.stale.deleting", "a killed deletion", complete=False)
+    fake("step-12", "damaged 12", complete=False)  # not from a swap: left for a person
+    fake("step-12.stale", "old 12")
+    ckpt = Checkpointer({}, CheckpointConfig(), folder, ModelIdentity("llama3", {}), {}, True)
+    ckpt.close()  # waits for the background deletions
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == ["step-12", "step-12.stale", "step-4", "step-4.partial", "step-8"], names
+    assert [(folder / f"step-{s}" / "tag").read_text() for s in (4, 8)] == ["old 4", "new 8"]
+    assert [s for s, _ in complete_checkpoints(folder)] == [4, 8]
+
+
+class _Weights:
+    """The smallest Stateful: one tensor."""
+
+    def __init__(self) -> None:
+        self.w = torch.arange(4.0)
+
+    def state_dict(self) -> dict:
+        return {"w": self.w}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.w = state["w"]
+
+
+def test_rank_0_finishes_a_save_off_the_training_thread(tmp_path: Path) -> None:
+    """save() returns once DCP has written the files; rank 0's finishing (tokenizer, sidecar,
+    rename, retention) runs on a thread of its own, and until it ends the save is a .partial
+    folder (what a kill then leaves). The next save waits for it; a preemption save
+    (force_sync) is complete when it returns (in-process world of one; no launch)."""
+    if dist.is_initialized():
+        pytest.skip("a default process group already exists in this process")
+    folder = tmp_path / "checkpoint"
+    release = threading.Event()
+    finishers: list[threading.Thread] = []
+
+    def write_files(path: Path) -> dict:  # the tokenizer copy, held until released
+        finishers.append(threading.current_thread())
+        release.wait(5)
+        return {}
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
+                            rank=0, world_size=1)  # fmt: skip
+    try:
+        ckpt = Checkpointer({"model": _Weights()}, CheckpointConfig(keep_latest_k=1), folder,
+                            ModelIdentity("llama3", {}), {}, True, write_files)  # fmt: skip
+        ckpt.save(1)
+        assert not (folder / "step-1").exists(), "save() waited for rank 0's finishing"
+        assert (folder / "step-1.partial" / ".metadata").is_file()
+        deadline = time.monotonic() + 60
+        while not finishers and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert finishers and finishers[0] is not threading.current_thread()
+        ckpt.poll()  # does not wait either
+        assert not (folder / "step-1").exists()
+        release.set()
+        ckpt.save(2)  # waits for step-1 first
+        assert read_sidecar(folder / "step-1")["step"] == 1
+        ckpt.save(3, force_sync=True)
+        assert [s for s, _ in complete_checkpoints(folder)] == [3]  # 1 and 2 retired
+        assert finishers[-1] is threading.current_thread()
+        ckpt.close()
+        assert step_dirs(folder.parent) == ["step-3"]
+    finally:
+        dist.destroy_process_group()
 
 
 def test_missing_initial_load_path_is_one_error_line(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ pickled metadata is read with an allow-list (``safe_reader``).
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import shutil
@@ -30,8 +31,10 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from titanlite.checkpoint import integrity
 from titanlite.checkpoint.folders import (
+    STEP_DIR,
     complete_checkpoints,
     fsync_dir,
+    is_complete,
     model_name,
     plain_states,
     read_sidecar,
@@ -83,6 +86,10 @@ DELETING = ".deleting"
 """Suffix of a checkpoint being removed by retention: renamed first (so it is no longer a
 step-N folder and can never be loaded), then deleted in the background."""
 
+STALE = ".stale"
+"""Suffix of the step-N folder a save of the same step replaces (after a load_step rewind),
+renamed aside for the moment between the two renames that swap the new one in."""
+
 
 def will_load_weights(cfg: CheckpointConfig, folder: Path) -> bool:
     """Whether loading at start-up overwrites every weight (so initializing them is wasted)."""
@@ -112,6 +119,10 @@ class Checkpointer:
         # self-contained); the fields it returns join the sidecar.
         self.write_files = write_files
         self._pending: tuple[Future, Path, Path, dict[str, Any], float] | None = None
+        # Rank 0's finishing of a save (sidecar, tokenizer, rename, retention) on a thread of
+        # its own, so training goes on meanwhile; joined before the next save and at the end.
+        self._finisher: ThreadPoolExecutor | None = None
+        self._finishing: Future | None = None
         # Background saves talk over their own group so they never interleave with the
         # training step's collectives.
         self._async_group = dist.new_group(backend="gloo") if cfg.async_mode == "async" else None
@@ -119,8 +130,35 @@ class Checkpointer:
         # hundreds of files on a shared filesystem); leftovers of a killed run go first.
         self._deleter: ThreadPoolExecutor | None = None
         if is_main and folder.is_dir():
-            for doomed in sorted(folder.glob(f"step-*{DELETING}")):
-                self._delete(doomed)
+            self._clean_up_leftovers()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()  # no rank looks for checkpoints before rank 0 put a step-N back
+
+    def _clean_up_leftovers(self) -> None:
+        """Rank 0, at start-up: what a killed run left. A step-N.stale (a save killed while
+        swapping a new step-N in) goes back to step-N when that is missing (the kill came
+        between the two renames: the stale folder is the only complete copy), and is deleted
+        when step-N is complete; step-N.deleting folders are deleted."""
+        renamed = False
+        for stale in sorted(self.folder.glob(f"step-*{STALE}")):
+            final = stale.with_name(stale.name.removesuffix(STALE))
+            if not (STEP_DIR.match(final.name) and stale.is_dir()):
+                continue
+            if not final.exists() and is_complete(stale):
+                os.replace(stale, final)
+                logger.warning("checkpoint: %s put back as %s (a save was killed)", stale, final)
+            elif is_complete(final) or not is_complete(stale):
+                doomed = stale.with_name(stale.name + DELETING)
+                shutil.rmtree(doomed, ignore_errors=True)
+                os.replace(stale, doomed)
+            else:  # the only complete copy, beside a damaged step-N: for a person to decide
+                logger.warning("checkpoint: leaving %s (%s is not complete)", stale, final)
+                continue
+            renamed = True
+        if renamed:
+            fsync_dir(self.folder)
+        for doomed in sorted(self.folder.glob(f"step-*{DELETING}")):
+            self._delete(doomed)
 
     # ------------------------------------------------------------------ loading
     def load(self) -> bool:
@@ -247,7 +285,9 @@ class Checkpointer:
         return self.cfg.enable and (last or step % self.cfg.interval == 0)
 
     def save(self, step: int, last: bool = False, force_sync: bool = False) -> None:
-        """Save this step (collective: every rank calls it)."""
+        """Save this step (collective: every rank calls it). Without ``force_sync`` it may
+        return before the checkpoint is complete: rank 0 finishes it in the background (and,
+        with async_mode, every rank writes it there); ``wait`` or ``close`` complete it."""
         self.wait()  # one save in flight at a time; finishes the previous one
         final = self.folder / f"step-{step}"
         partial = self.folder / f"step-{step}.partial"
@@ -272,7 +312,10 @@ class Checkpointer:
                 dcp.save(tensors, storage_writer=writer)
             except (Exception, CheckpointException) as e:  # a BaseException; see _write_failed
                 raise self._write_failed(partial, e) from None
-            self._finish(partial, final, sidecar, start)
+            if force_sync:  # a preemption save: complete before the process exits
+                self._finish(partial, final, sidecar, start)
+            else:
+                self._finish_in_background(partial, final, sidecar, start)
 
     def _snapshot(self, step: int, model_only: bool) -> tuple[dict[str, Any], dict[str, Any]]:
         """(tensors for DCP, sidecar fields): each state split into its tensor and plain parts."""
@@ -294,25 +337,51 @@ class Checkpointer:
             **self.sidecar_fields,
             "checksum_ranks": dist.get_world_size(),  # __0 .. __N-1.sha256.json (integrity)
             "time": time.time(),
-            "states": plain,
+            "states": copy.deepcopy(plain),  # written later, while training changes the states
         }
         return tensors, sidecar
 
     def poll(self) -> None:
-        """Complete a background save if it has finished (cheap; call every step)."""
+        """Take the next step of a save in flight if it is ready, without waiting (cheap; call
+        every step): a background write that is done is handed to rank 0's finishing, and a
+        finishing that failed raises here."""
+        if self._finishing is not None and self._finishing.done():
+            self._join_finishing()
         if self._pending is not None and self._pending[0].done():
-            self.wait()
+            self._collect_write(background=True)
 
     def wait(self) -> None:
-        if self._pending is None:
-            return
+        """Complete the save in flight, if any: its write, then rank 0's finishing."""
+        self._join_finishing()
+        if self._pending is not None:
+            self._collect_write(background=False)
+
+    def _collect_write(self, background: bool) -> None:
         future, partial, final, sidecar, start = self._pending
         self._pending = None
         try:
             future.result()
         except (Exception, CheckpointException) as e:
             raise self._write_failed(partial, e) from None
-        self._finish(partial, final, sidecar, start)
+        if background:
+            self._finish_in_background(partial, final, sidecar, start)
+        else:
+            self._finish(partial, final, sidecar, start)
+
+    def _finish_in_background(self, *args: Any) -> None:
+        """``_finish`` on rank 0's finishing thread (one at a time: the previous is joined)."""
+        if not self.is_main:
+            return
+        self._join_finishing()
+        if self._finisher is None:
+            self._finisher = ThreadPoolExecutor(1, thread_name_prefix="titanlite-finish")
+        self._finishing = self._finisher.submit(self._finish, *args)
+
+    def _join_finishing(self) -> None:
+        """Wait for rank 0's finishing in flight; its error, if it failed, is raised here."""
+        finishing, self._finishing = self._finishing, None
+        if finishing is not None:
+            finishing.result()
 
     def _write_failed(self, partial: Path, error: BaseException) -> UserError:
         """The one-line error for a save that failed (every rank gets DCP's exception): the
@@ -338,14 +407,16 @@ class Checkpointer:
 
     def _finish(self, partial: Path, final: Path, sidecar: dict[str, Any], start: float) -> None:
         """Rank 0 marks the checkpoint complete once DCP returned: all shards and the
-        metadata are written by then."""
+        metadata are written by then. A kill before the rename leaves step-N.partial (never
+        loaded); one between the two renames of a swap leaves step-N.stale, which the next
+        start-up puts back (``_clean_up_leftovers``)."""
         if not self.is_main:
             return
         if self.write_files is not None:
             sidecar = {**sidecar, **self.write_files(partial)}
         write_sidecar(partial, sidecar)
         if final.exists():  # an abandoned run's step-N (after a load_step rewind)
-            stale = final.with_name(final.name + ".stale")
+            stale = final.with_name(final.name + STALE)
             shutil.rmtree(stale, ignore_errors=True)
             os.replace(final, stale)
             os.replace(partial, final)
@@ -379,13 +450,23 @@ class Checkpointer:
         self._deleter.submit(shutil.rmtree, doomed, True)
 
     def close(self, abandon: bool = False) -> None:
-        """Finish the save in flight (``abandon``: a rank is lost, do not wait for it) and
-        the background deletions."""
-        if not abandon:
-            self.wait()
-        if self._deleter is not None:
-            self._deleter.shutdown(wait=True)
-            self._deleter = None
+        """Finish the save in flight and the background deletions. ``abandon`` (a rank is
+        lost): do not wait for a write, which would wait for that rank; rank 0's finishing
+        needs no other rank and still completes (its failure is logged, not raised, so that
+        the error that ended the run is the one reported)."""
+        try:
+            if not abandon:
+                self.wait()
+            else:
+                try:
+                    self._join_finishing()
+                except Exception as e:
+                    logger.error("checkpoint: finishing the last save failed: %s", e)
+        finally:
+            for pool in (self._finisher, self._deleter):
+                if pool is not None:
+                    pool.shutdown(wait=True)
+            self._finisher = self._deleter = None
 
 
 def _split(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

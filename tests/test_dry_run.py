@@ -114,3 +114,89 @@ def test_dry_run_sizes_context_parallel_activations() -> None:
         cp: re.search(r"model state\s+([\d.]+) GiB", out).group(1) for cp, out in reports.items()
     }
     assert state[1] == state[4], reports
+
+
+MOE_CONFIG = str(REPO / "train_configs" / "qwen3_moe_debug.toml")
+
+
+def _figure(pattern: str, out: str) -> str:
+    found = re.search(pattern, out)
+    assert found, (pattern, out)
+    return found.group(1)
+
+
+def test_moe_dry_run_sizes_qwen3_235b_on_256_ranks_under_expert_parallelism(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The issue's case: Qwen3-235B-A22B (94 layers of 128 experts, top-8, dim 4096, expert
+    width 1536) on 256 ranks, bf16, 4,096-token sequences, at ep 8 and ep 16. Expert
+    parallelism borrows its ranks from dp_shard, so every rank keeps 128 / 256 experts' worth
+    of model state whatever ep is (FSDP splits each expert in two: 16 or 8 of them over 32 or
+    16 ranks); what ep shrinks is the experts a block gathers (128 / ep), and what it costs
+    is all-to-all traffic."""
+    from titanlite import preflight
+
+    layers, dim, hidden, top_k, tokens = 94, 4096, 1536, 8, 4096
+    expert_elements = 3 * dim * hidden  # w1, w3, w2 of one expert
+    base = [
+        MOE_CONFIG, "--job.dry_run", "--model.flavor", "235B-A22B", "--model.vocab_size",
+        "151936", "--training.seq_len", str(tokens), "--training.local_batch_size", "1",
+        "--training.mixed_precision_param", "bfloat16",
+    ]  # fmt: skip
+    monkeypatch.setenv("WORLD_SIZE", "256")
+    figures = {}
+    for ep in (8, 16):
+        capsys.readouterr()
+        argv = [*base, "--parallelism.expert_parallel_degree", str(ep)]
+        assert preflight.main(["--job.config_file", *argv]) == preflight.EXIT_NO_LAUNCH
+        out = capsys.readouterr().out
+        assert "dry run: qwen3_moe/235B-A22B on 256 ranks" in out
+        assert f"mesh            dp_shard=256 (ep={ep} within dp_shard)" in out
+        split = f"split {128 // ep} per ep rank (ep={ep}), then FSDP-sharded over the other "
+        assert f"{split}{256 // ep} dp_shard ranks" in out
+        figures[ep] = {
+            "state": _figure(r"model state\s+([\d.]+) GiB per rank", out),
+            "experts": int(_figure(r"model state \(([\d,]+) elements\)", out).replace(",", "")),
+            "gathered": float(_figure(r"\+ ([\d.]+) for its \d+ experts", out)),
+            "sent": int(_figure(r"GiB \(([\d,]+) bytes\) sent per step", out).replace(",", "")),
+        }
+        # An even share: half an expert per layer (before, one whole one on half the ranks).
+        assert figures[ep]["experts"] == layers * expert_elements // 2, out
+        assert "0.50 experts' worth here per layer (an even share: 0.50)" in out
+        assert abs(figures[ep]["gathered"] - 128 // ep * expert_elements * 2 / 2**30) < 0.006
+        # Dispatch + combine, forward + backward: 4 passes of the slots leaving the rank.
+        slots_leaving = tokens * top_k * (ep - 1) // ep
+        assert figures[ep]["sent"] == 4 * layers * slots_leaving * dim * 2, out
+    assert figures[8]["state"] == figures[16]["state"], figures
+    assert figures[8]["experts"] == figures[16]["experts"], figures
+    assert 1.95 < figures[8]["gathered"] / figures[16]["gathered"] < 2.05, figures
+    assert figures[16]["sent"] * 14 == figures[8]["sent"] * 15, figures  # 15/16 vs 7/8 leave
+
+
+def test_moe_dry_run_all_to_all_bytes_follow_the_formula() -> None:
+    """The debug MoE (4 layers of 8 experts, top-2, dim 256) on 8 ranks at ep 4, float32,
+    2 micro-batches of 2 x 256 tokens per step, full activation checkpointing (each forward's
+    dispatch and combine run again in backward): the figure computed here by hand. Without
+    expert parallelism there is no all-to-all, and each rank keeps all experts over dp_shard."""
+    from titanlite.config import load_config
+    from titanlite.dry_run import dry_run
+
+    def report(ep: int) -> str:
+        cfg = load_config([
+            "--job.config_file", MOE_CONFIG, "--training.seq_len", "256",
+            "--training.local_batch_size", "2", "--training.global_batch_size", "32",
+            "--activation_checkpoint.mode", "full",
+            "--parallelism.expert_parallel_degree", str(ep),
+        ])  # fmt: skip
+        return dry_run(cfg, 8, 4096)
+
+    out = report(4)
+    tokens = 2 * 2 * 256  # micro-batches x sequences x seq_len on this rank
+    passes = 4 * (2 + 2 + 2)  # layers x (forward 2, backward 2, recomputed forward 2)
+    expected = passes * tokens * 2 * 3 // 4 * 256 * 4  # x top_k x 3/4 off-rank x dim x fp32
+    assert f"({expected:,} bytes) sent per step per rank" in out, out
+    assert "4 MoE layers x 4 + 4 recomputed x 2 passes" in out
+    # 8 experts over 8 dp_shard ranks (2 per ep rank, then over 2): one per layer per rank.
+    elements = int(_figure(r"model state \(([\d,]+) elements\)", out).replace(",", ""))
+    assert elements == 4 * 3 * 256 * 256, out
+    assert "all-to-all      none" in report(1)

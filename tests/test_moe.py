@@ -139,7 +139,6 @@ def test_bias_update_evens_out_a_skewed_load() -> None:
     balance = []
     for _ in range(30):
         moe(x)
-        tracker.after_forward()
         balance.append(tracker.after_step(log=True)["moe_load_max_mean"])
     assert balance[0] > 2.0, balance
     assert max(balance[20:]) < 0.8 * balance[0], balance
@@ -150,6 +149,26 @@ def test_bias_update_evens_out_a_skewed_load() -> None:
     still(x)
     counts = still.last.counts.float()
     assert (counts.max() / counts.mean()).item() == pytest.approx(balance[0])
+
+
+def test_the_aux_loss_gradient_arrives_through_the_layers_backward() -> None:
+    """Training forwards hand the balancing loss its gradient (``aux_weight``) inside the
+    layer's backward: the same gradients as adding ``aux_weight x aux`` to the loss; the
+    forward's statistics add up in ``totals``, and a no-grad forward records nothing."""
+    x = torch.randn(2, 10, 32, generator=torch.Generator().manual_seed(4))
+    probe = torch.randn(2, 10, 32, generator=torch.Generator().manual_seed(5))
+    injected, explicit = layer(aux_loss_coef=0.1), layer(aux_loss_coef=0.1)
+    injected.aux_weight = 0.25
+    (injected(x) * probe).sum().backward()
+    ((explicit(x) * probe).sum() + 0.25 * explicit.last.aux).backward()
+    for (name, a), b in zip(injected.named_parameters(), explicit.parameters(), strict=True):
+        assert torch.allclose(a.grad, b.grad, atol=1e-6), name
+    assert injected.router.weight.grad.abs().sum() > 0
+    injected(x)
+    assert injected.totals[:-2].sum() == 2 * 2 * 10 * 2  # two forwards, 20 tokens, top 2
+    with torch.no_grad():
+        injected(x)
+    assert injected.totals[:-2].sum() == 2 * 2 * 10 * 2
 
 
 def test_published_shapes_and_active_counts() -> None:
@@ -277,16 +296,15 @@ def test_layouts_moe_cannot_take_yet_are_one_line_errors() -> None:
     from titanlite.config import load_config
     from titanlite.errors import UserError
 
-    for key in ("context_parallel_degree", "pipeline_parallel_degree"):
-        cfg = load_config(["--model.name", "qwen3_moe", f"--parallelism.{key}", "2",
-                           "--model.n_layers", "2"])  # fmt: skip
-        with pytest.raises(UserError) as info:
-            check(cfg, 2)
-        lines = [line for line in str(info.value).splitlines() if "mixture of experts" in line]
-        assert lines == [
-            f"parallelism.{key} 2: qwen3_moe (mixture of experts) trains with data, tensor "
-            "and expert parallelism only for now; set it to 1"
-        ], info.value
+    cfg = load_config(["--model.name", "qwen3_moe", "--parallelism.context_parallel_degree",
+                       "2", "--model.n_layers", "2"])  # fmt: skip
+    with pytest.raises(UserError) as info:
+        check(cfg, 2)
+    lines = [line for line in str(info.value).splitlines() if "mixture of experts" in line]
+    assert lines == [
+        "parallelism.context_parallel_degree 2: qwen3_moe (mixture of experts) does not take "
+        "context parallelism yet; set it to 1"
+    ], info.value
     with pytest.raises(ValueError, match="top_k 9 exceeds num_experts 8"):
         SPEC.make_args("debugmodel", 4096, 64, {"top_k": 9})
 
@@ -308,16 +326,19 @@ def test_expert_parallel_layouts_match_one_process_and_resume_across_degrees(
     tmp_path: Path,
 ) -> None:
     """qwen3_moe debug (8 experts), fp32, dropless, aux loss and bias update on: ep 2 (2
-    ranks), ep 4, ep 2 x dp_shard 2, ep 2 x tp 2 (4 ranks) and tp 2 alone against one process
-    with the same global batch, 8 steps (relative loss and gradient-norm differences <= 1e-5);
-    an ep-2 checkpoint resumes on 1 process and a 1-process one on ep 4."""
+    ranks), ep 4, ep 2 x dp_shard 2, ep 2 x tp 2, ep 2 x pp 2 (4 ranks) and tp 2 alone against
+    one process with the same global batch, 8 steps (relative loss and gradient-norm
+    differences <= 1e-5, and the same expert load at the last step); an ep-2 checkpoint
+    resumes on 1 process and a 1-process one on ep 4."""
     one = train(1, tmp_path / "one", 4)
     base = losses(one)
     base_norm = {r["step"]: r["grad_norm"] for r in one["records"] if "grad_norm" in r}
     worst = {}
     tp2 = ("--parallelism.tensor_parallel_degree", "2")
+    pp2 = ("--parallelism.pipeline_parallel_degree", "2",
+           "--parallelism.pipeline_parallel_microbatch_size", "1")  # fmt: skip
     layouts = (("ep2", 2, 2, ()), ("ep4", 4, 4, ()), ("ep2_dp2", 4, 2, ()),
-               ("ep2_tp2", 4, 2, tp2), ("tp2", 2, 1, tp2))  # fmt: skip
+               ("ep2_tp2", 4, 2, tp2), ("tp2", 2, 1, tp2), ("ep2_pp2", 4, 2, pp2))  # fmt: skip
     for name, world, ep, extra in layouts:
         dp = world // (2 if extra else 1)
         run = train(world, tmp_path / name, 4 // dp, "--parallelism.expert_parallel_degree",
@@ -326,6 +347,8 @@ def test_expert_parallel_layouts_match_one_process_and_resume_across_degrees(
         # Adam hides a wrong gradient scale from the loss; the gradient norm does not.
         norms = {r["step"]: r["grad_norm"] for r in run["records"] if "grad_norm" in r}
         worst[f"{name}_grad_norm"] = max(abs(norms[s] - base_norm[s]) / base_norm[s] for s in base)
+        load = run["records"][-1]["moe_load_max_mean_1"]
+        worst[f"{name}_load"] = abs(load - one["records"][-1]["moe_load_max_mean_1"])
     print(f"expert parallelism, worst relative loss difference: {worst}")
     assert all(v <= 1e-5 for v in worst.values()), worst
     gaps = {}

@@ -77,15 +77,12 @@ def check_pipeline(cfg: JobConfig, degrees: Degrees, args: Any, problems: Proble
 
 
 def check_experts(cfg: JobConfig, degrees: Degrees, problems: Problems) -> None:
-    """Mixture-of-experts models train with data, tensor and expert parallelism; not yet with
-    context or pipeline parallelism."""
-    for key, degree in (("context_parallel_degree", degrees.cp),
-                        ("pipeline_parallel_degree", degrees.pp)):  # fmt: skip
-        if degree > 1:
-            problems.add(
-                f"parallelism.{key} {degree}: {cfg.model.name} (mixture of experts) trains with "
-                "data, tensor and expert parallelism only for now; set it to 1"
-            )
+    """Mixture-of-experts models train with every layout but context parallelism."""
+    if degrees.cp > 1:
+        problems.add(
+            f"parallelism.context_parallel_degree {degrees.cp}: {cfg.model.name} (mixture of "
+            "experts) does not take context parallelism yet; set it to 1"
+        )
 
 
 def check_context(cfg: JobConfig, degrees: Degrees, problems: Problems) -> None:

@@ -6,16 +6,25 @@ parallelism is applied exactly as in training, and the shapes of the local shard
 memory each rank will hold. With --job.dry_run_init_rank R the process acts as rank R and
 really allocates and initializes that rank's shards on this machine's CPU, which measures
 what a start-up costs one rank.
+
+For mixture-of-experts models it also splits the model state into its expert and dense
+parts, sizes one block's weights as FSDP gathers them (expert parallelism gathers only the
+rank's own experts) and estimates the all-to-all traffic of expert parallelism per step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import resource
 import time
+from collections.abc import Iterator
+from unittest import mock
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from titanlite.checks import build_model_args
@@ -25,8 +34,9 @@ from titanlite.config import (
     gradient_accumulation_steps,
     resolve_degrees,
 )
-from titanlite.config.layout import PipelinePlan, pipeline_plan
+from titanlite.config.layout import Degrees, PipelinePlan, pipeline_plan
 from titanlite.metrics import local_bytes
+from titanlite.models import moe
 from titanlite.models.layers import count_params
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.materialize import materialize
@@ -34,6 +44,8 @@ from titanlite.parallel.parallelize import parallelize
 
 # fp32 master weights, fp32 gradients, and AdamW's two fp32 moments.
 BYTES_PER_PARAM = {"params": 4, "grads": 4, "optimizer": 8}
+ELEMENT_BYTES = {"float32": 4, "bfloat16": 2}
+"""Bytes of an element in forward/backward (training.mixed_precision_param)."""
 GIB = 2**30
 
 
@@ -58,11 +70,12 @@ def dry_run(cfg: JobConfig, world_size: int, tokenizer_vocab: int) -> str:
         )  # fmt: skip
         params = list({id(p): p for part in parts for p in part.parameters()}.values())
         local_numel = local_bytes(params) // 4  # still float32 on meta
+        accum = gradient_accumulation_steps(cfg, degrees)
+        expert_lines = _expert_lines(cfg, parts, dims, accum) if spec.experts else []
         init_lines = _initialize_one_rank(parts, spec, args, cfg, rank) if init_rank >= 0 else []
     finally:
         dist.destroy_process_group()
     state = {k: local_numel * b / GIB for k, b in BYTES_PER_PARAM.items()}
-    accum = gradient_accumulation_steps(cfg, degrees)
     gbs = global_batch_size(cfg, degrees)
     return "\n".join(
         [
@@ -76,10 +89,110 @@ def dry_run(cfg: JobConfig, world_size: int, tokenizer_vocab: int) -> str:
             f"{cfg.training.seq_len})",
             f"  global batch    {gbs} sequences = {gbs * cfg.training.seq_len:,} tokens "
             f"({accum} micro-batch{'es' if accum > 1 else ''} per step)",
+            *expert_lines,
             *pipeline_lines,
             *init_lines,
         ]
     )
+
+
+def _expert_lines(
+    cfg: JobConfig, parts: list[nn.Module], dims: ParallelDims, accum: int
+) -> list[str]:
+    """A mixture of experts on this rank: the experts' share of the model state, one
+    block's weights as FSDP gathers them, and expert parallelism's all-to-all traffic."""
+    layers = [m for part in parts for m in part.modules() if isinstance(m, moe.MoE)]
+    if not layers:
+        return []
+    d, dtype = dims.degrees, cfg.training.mixed_precision_param
+    lines = [_expert_state_line(layers, d)]
+    if d.dp_shard * d.cp > 1:  # FSDP shards, so each block is gathered to run
+        lines.append(_gathered_block_line(parts, layers, d.ep, dtype))
+    return [*lines, _all_to_all_line(cfg, parts, layers, d, accum)]
+
+
+def _expert_state_line(layers: list[moe.MoE], d: Degrees) -> str:
+    """Expert parallelism splits each layer's experts over ep, and FSDP shards each rank's
+    experts over the other dp_shard / ep ranks (by whole experts when they divide evenly,
+    else along each expert's next dimension), so a rank keeps num_experts / dp_shard
+    experts' worth whatever ep is."""
+    params = list({id(p): p for m in layers for p in m.experts.parameters()}.values())
+    local = local_bytes(params) // 4  # still float32 on meta
+    gib = local * sum(BYTES_PER_PARAM.values()) / GIB
+    n = layers[0].num_experts
+    per_expert = sum(p.numel() for p in layers[0].experts.parameters()) // n  # global shapes
+    here = local / len(layers) / per_expert
+    if d.ep > 1:
+        split = (
+            f"split {n // d.ep} per ep rank (ep={d.ep}), then FSDP-sharded over the other "
+            f"{d.dp_shard // d.ep} dp_shard ranks"
+        )
+    elif d.dp_shard > 1:
+        split = f"FSDP-sharded over dp_shard={d.dp_shard} (no expert parallelism)"
+    else:
+        split = "whole on each rank (neither expert parallelism nor FSDP)"
+    return (
+        f"  experts         {gib:.2f} GiB of that model state ({local:,} elements): each "
+        f"layer's {n} experts {split}; {here:.2f} experts' worth here per layer (an even "
+        f"share: {n / d.dp_shard:.2f})"
+    )
+
+
+def _gathered_block_line(parts: list[nn.Module], layers: list[moe.MoE], ep: int, dtype: str) -> str:
+    """One block's weights as FSDP unshards them to run it: the dense part whole, and of
+    the experts only the rank's own num_experts / ep, which is where expert parallelism
+    saves memory."""
+    name = next(n for part in parts for n, m in part.named_modules() if m is layers[0])
+    part = next(p for p in parts if any(m is layers[0] for m in p.modules()))
+    block = part.get_submodule(name.rsplit(".", 1)[0])  # the MoE layer's parent
+    # DTensors report their global shapes: the whole block, all the experts.
+    experts = sum(p.numel() for p in layers[0].experts.parameters())
+    dense = sum(p.numel() for p in block.parameters()) - experts
+    elem = ELEMENT_BYTES[dtype]
+    own = experts // ep * elem
+    return (
+        f"  gathered block  {(dense * elem + own) / GIB:.2f} GiB: one block's weights "
+        f"unsharded in {dtype} while it runs ({dense * elem / GIB:.2f} dense + "
+        f"{own / GIB:.2f} for its {layers[0].num_experts // ep} experts; FSDP prefetches the "
+        "next block)"
+    )
+
+
+def _all_to_all_line(
+    cfg: JobConfig, parts: list[nn.Module], layers: list[moe.MoE], d: Degrees, accum: int
+) -> str:
+    if d.ep == 1:
+        return (
+            "  all-to-all      none (expert_parallel_degree 1: each rank runs its tokens' experts)"
+        )
+    # A checkpointed block's forward runs again in backward, all-to-alls included.
+    recomputed = sum(
+        isinstance(m, moe.MoE)
+        for part in parts for wrapper in part.modules() if isinstance(wrapper, CheckpointWrapper)
+        for m in wrapper.modules()
+    )  # fmt: skip
+    # Each rank routes its own tokens: its share of each sequence under context parallelism,
+    # and under tensor parallelism its sequence shard (the MoE runs on "local_tokens").
+    tokens = cfg.training.local_batch_size * accum * cfg.training.seq_len // (d.cp * d.tp)
+    top_k, dim = layers[0].top_k, layers[0].experts.w1.shape[1]
+    elem = ELEMENT_BYTES[cfg.training.mixed_precision_param]
+    passes = 4 * len(layers) + 2 * recomputed
+    sent = all_to_all_bytes(passes, tokens, top_k, dim, d.ep, elem)
+    again = f" + {recomputed} recomputed x 2" if recomputed else ""
+    return (
+        f"  all-to-all      {sent / GIB:.2f} GiB ({sent:,} bytes) sent per step per rank and as "
+        f"much received: {len(layers)} MoE layers x 4{again} passes (dispatch + combine, "
+        f"forward + backward) x {tokens:,} tokens x top_k {top_k} x {d.ep - 1}/{d.ep} of the "
+        f"slots leaving the rank x rows of {dim} x {elem} bytes (even routing, dropless)"
+    )
+
+
+def all_to_all_bytes(passes: int, tokens: int, top_k: int, dim: int, ep: int, elem: int) -> int:
+    """Bytes one rank sends in ``passes`` all-to-alls (each MoE layer's dispatch and combine
+    in forward, and their gradients in backward): each of its tokens x top_k slots whose
+    expert lives on another of the ep ranks, (ep - 1) / ep of them under even routing, sends
+    a row of ``dim`` elements (and receives one back)."""
+    return passes * tokens * top_k * (ep - 1) * dim * elem // ep
 
 
 def _pipeline_lines(
@@ -148,7 +261,9 @@ def _activation_lines(cfg: JobConfig, spec, args, dims: ParallelDims) -> list[st
 def block_activation_bytes(spec, args, seq_len: int) -> int:  # noqa: ANN001
     """Bytes one block saves for backward per sequence, float32, one rank without TP: a
     meta-device forward of a one-block model, counting the tensors autograd keeps (weights
-    and the s x s attention scores, which flash-style attention does not keep, left out)."""
+    and the s x s attention scores, which flash-style attention does not keep, left out).
+    A mixture of experts works on token rows ([tokens or token slots, ...], made by gathers,
+    not views of batch-first tensors): those count too."""
     probe = 7  # an odd batch no weight dimension equals: activations start with it
     with torch.device("meta"):
         model = spec.build(dataclasses.replace(args, n_layers=1))
@@ -158,14 +273,41 @@ def block_activation_bytes(spec, args, seq_len: int) -> int:  # noqa: ANN001
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         scores = tensor.dim() >= 2 and tensor.shape[-1] == tensor.shape[-2] == seq_len
-        if tensor.dim() >= 2 and tensor.shape[0] == probe and not scores:
+        batch_first = tensor.dim() >= 2 and tensor.shape[0] == probe and not scores
+        token_rows = (
+            tensor._base is None and tensor.dim() >= 1 and tensor.shape[0] % (probe * seq_len) == 0
+        )
+        if batch_first or token_rows:
             saved[id(tensor)] = tensor.numel() * tensor.element_size()
         return tensor
 
     hidden = torch.empty(probe, seq_len, args.dim, device="meta", requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), _meta_routing():
         model(hidden)
     return sum(saved.values()) // probe
+
+
+@contextlib.contextmanager
+def _meta_routing() -> Iterator[None]:
+    """Lets a meta-device forward pass through a mixture-of-experts layer, whose routing
+    counts and grouped matmuls need values a meta tensor does not have: on meta the counts
+    come out as zeros of their shape, and a grouped matmul as one plain matmul of the same
+    rows (keeping for backward what the grouped one keeps: its input rows). Other devices
+    are untouched."""
+    bincount, grouped_mm = torch.bincount, moe.grouped_mm
+
+    def counts(
+        values: torch.Tensor, weights: torch.Tensor | None = None, minlength: int = 0
+    ) -> torch.Tensor:
+        if values.is_meta:
+            return torch.zeros(minlength, dtype=torch.int64, device="meta")
+        return bincount(values, weights, minlength)
+
+    def matmul(x: torch.Tensor, w: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+        return x @ w[0] if x.is_meta else grouped_mm(x, w, sizes)
+
+    with mock.patch.object(torch, "bincount", counts), mock.patch.object(moe, "grouped_mm", matmul):
+        yield
 
 
 def _initialize_one_rank(parts, spec, args, cfg: JobConfig, rank: int) -> list[str]:  # noqa: ANN001

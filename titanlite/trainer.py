@@ -157,14 +157,21 @@ class Trainer:
                 self.tokenizer.bos_id, self.tokenizer.eos_id, t.document_positions
             )
         self.params = [p for part in self.model.parts for p in part.parameters() if p.requires_grad]
-        # Mixture-of-experts layers: their balancing loss, routing-bias updates and metrics.
-        experts = MoETracker.find(self.model.parts)
-        self.moe = (
-            MoETracker(experts, self.dims.group("tokens"), self.global_batch) if experts else None
-        )
-        self._moe_metrics: dict[str, float] | None = None
         # Under pipeline parallelism each rank holds some stages: norms add up over pp.
         self.stage_group = self.dims.group("pp") if degrees.pp > 1 else None
+        # Mixture-of-experts layers: their balancing loss, routing-bias updates and metrics.
+        experts = MoETracker.find(self.model.parts)
+        self.moe = None
+        if experts:
+            self.moe = MoETracker(
+                experts, self.dims.group("tokens"), self.global_batch,
+                grad_weight=self.dims.grad_average_size, stage_group=self.stage_group,
+                n_layers=self.model_args.n_layers,
+            )  # fmt: skip
+            if self.model.pipeline is not None:  # its shape inference must not count
+                self.model.pipeline.warm_up(t.local_batch_size, t.seq_len, self.device)
+                self.moe.discard()
+        self._moe_metrics: dict[str, float] | None = None
         self.startup.mark("model")
 
         # 4. Optimization: one optimizer and schedule per model part.
@@ -325,11 +332,7 @@ class Trainer:
                     ce = self.model.pipeline.forward_backward(inputs, labels, scale)
                 else:
                     ce = cross_entropy_sum(self.model(inputs), labels)
-                    losses = [ce * scale]
-                    if self.moe is not None:  # per sequence of the global batch
-                        # A separate root: under loss parallelism the first is a DTensor.
-                        losses.append(self.moe.after_forward() * self.dims.grad_average_size)
-                    torch.autograd.backward(losses)
+                    (ce * scale).backward()  # MoE layers add their balancing loss's gradient
             loss_sum += full(ce.detach())
         self.model.finish_gradients()
         grad_norm = clip_grad_norm_(

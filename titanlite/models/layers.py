@@ -167,6 +167,9 @@ class Decoder(nn.Module):
         )
         # A dict keyed by layer index keeps names stable when layers are wrapped or pruned.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        for i, block in self.layers.items():
+            if isinstance(block.feed_forward, MoE):
+                block.feed_forward.layer_id = int(i)
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:

@@ -19,10 +19,13 @@ Balancing, both optional:
 Dropless by default; a capacity factor caps each expert at ``ceil(factor * slots / experts)``
 token slots per micro-batch (the later ones in token order are dropped and counted).
 
-The layer records, per forward, its auxiliary loss sum, its tokens per expert and its dropped
-slots (``last``); ``MoETracker`` turns them into the loss term, the bias updates and the
-metrics. With activation checkpointing the forward runs again in backward and records again;
-the tracker reads each micro-batch's record right after its forward, so that does no harm.
+The auxiliary loss reaches the router through the layer's own backward: the output passes
+through an identity whose backward also gives the loss term its gradient (``aux_weight``),
+so no second loss root is needed and a pipeline schedule's backward carries it too. Each
+training forward adds its tokens per expert, dropped slots and auxiliary loss to the layer's
+running ``totals`` (not when it is recomputed in backward under activation checkpointing);
+``MoETracker`` takes them after the step for the bias updates and the metrics. ``last`` keeps
+the latest forward's record.
 """
 
 from __future__ import annotations
@@ -170,6 +173,14 @@ class MoE(nn.Module):
         # the optimizer; persistent, so a resume continues with it.
         self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32))
         self.last: Record | None = None
+        self.totals: torch.Tensor | None = None
+        """[experts + 2]: tokens per expert, dropped slots and auxiliary loss summed over the
+        training forwards since ``MoETracker`` last took them."""
+        self.aux_weight = 0.0
+        """The gradient of the training loss with respect to this layer's auxiliary loss sum
+        (set by ``MoETracker``: the loss is a mean over the global batch's sequences)."""
+        self.layer_id = 0
+        """The block this layer belongs to (set by the model), to name its metrics."""
         self.sequence_shards: tuple[Any, int] | None = None
         """(group, degree) when tensor parallelism hands this layer one shard of each
         sequence (every rank routes its own tokens): the balancing loss then takes its
@@ -207,7 +218,14 @@ class MoE(nn.Module):
         if self.shared is not None:
             out = out + self.shared(flat)
 
-        self.last = Record(self._aux(scores, chosen, bsz, seq), counts.detach(), dropped)
+        aux = self._aux(scores, chosen, bsz, seq)
+        self.last = Record(aux, counts.detach(), dropped)
+        if self.training and torch.is_grad_enabled():
+            if self.aux_loss_coef > 0 and self.aux_weight:
+                out = _AuxGradient.apply(out, aux, self.aux_weight)
+            if torch._C._current_graph_task_id() == -1:  # not a recomputation in backward
+                row = torch.cat([counts.float(), dropped.float().view(1), aux.detach().view(1)])
+                self.totals = row if self.totals is None else self.totals + row
         return out.view(bsz, seq, dim).to(x.dtype)
 
     def _aux(self, scores: torch.Tensor, chosen: torch.Tensor, bsz: int, seq: int) -> torch.Tensor:
@@ -230,6 +248,22 @@ class MoE(nn.Module):
         return self.aux_loss_coef * (share * mean_score).sum()
 
 
+class _AuxGradient(torch.autograd.Function):
+    """The identity on the layer's output, whose backward also hands the auxiliary loss the
+    gradient ``weight``: as if ``weight * aux`` were added to the loss."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, aux: torch.Tensor, weight: float) -> torch.Tensor:
+        ctx.weight = weight
+        ctx.aux_like = (aux.shape, aux.dtype, aux.device)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        shape, dtype, device = ctx.aux_like
+        return grad, torch.full(shape, ctx.weight, dtype=dtype, device=device), None
+
+
 class MoETracker:
     """The trainer's side of the MoE layers of a model: their auxiliary loss per micro-batch,
     the bias updates after each step and the per-step metrics.
@@ -240,32 +274,47 @@ class MoETracker:
     bias update on, otherwise at log steps.
     """
 
-    def __init__(self, layers: list[MoE], group: Any, global_batch: int):
+    def __init__(
+        self,
+        layers: list[MoE],
+        group: Any,
+        global_batch: int,
+        grad_weight: float = 1.0,
+        stage_group: Any = None,
+        n_layers: int = 0,
+    ):
+        """``grad_weight`` multiplies the auxiliary loss's gradient (the data-parallel
+        engines average gradients over that many ranks); under pipeline parallelism
+        ``stage_group`` (pp) gathers the other stages' layers (of ``n_layers``) at log steps."""
         self.layers = layers
         self.group = group
         self.global_batch = global_batch
+        self.stage_group = stage_group
+        self.n_layers = n_layers
         self.balancing = any(m.bias_update_rate > 0 for m in layers)
-        self._step: torch.Tensor | None = None  # [layers, experts + 2]: counts, dropped, aux
+        for m in layers:  # the auxiliary loss is a mean over the global batch's sequences
+            m.aux_weight = grad_weight / global_batch
 
     @staticmethod
     def find(parts: list[nn.Module]) -> list[MoE]:
         return [m for part in parts for m in part.modules() if isinstance(m, MoE)]
 
-    def after_forward(self) -> torch.Tensor:
-        """The micro-batch's auxiliary loss over all layers (to add, divided by the global
-        number of sequences, to the loss); records its counts."""
-        records = [m.last for m in self.layers]
-        aux = torch.stack([r.aux for r in records]).sum()
-        row = torch.stack([
-            torch.cat([r.counts.float(), r.dropped.float().view(1), r.aux.detach().view(1)])
-            for r in records
-        ])  # fmt: skip
-        self._step = row if self._step is None else self._step + row
-        return aux / self.global_batch
+    def discard(self) -> None:
+        """Forget what the layers recorded so far (forwards that were not training steps)."""
+        self._take()
+
+    def _take(self) -> torch.Tensor | None:
+        """[layers, experts + 2] of the step's training forwards; the layers start afresh."""
+        rows = [m.totals for m in self.layers]
+        for m in self.layers:
+            m.totals = None
+        if any(row is None for row in rows):
+            return None
+        return torch.stack(rows)
 
     def after_step(self, log: bool) -> dict[str, float] | None:
         """Bias updates (every step, when on) and, at a log step, the metrics."""
-        step, self._step = self._step, None
+        step = self._take()
         if step is None or not (self.balancing or log):
             return None
         if self.group is not None and dist.get_world_size(self.group) > 1:
@@ -279,6 +328,11 @@ class MoETracker:
                         layer.expert_bias.add_(push)
         if not log:
             return None
+        if self.stage_group is not None:  # every stage's layers, in block order
+            whole = step.new_zeros(self.n_layers, step.shape[1])
+            whole[[m.layer_id for m in self.layers]] = step
+            dist.all_reduce(whole, group=self.stage_group)
+            step, counts = whole, whole[:, :-2]
         balance = (counts.max(1).values / counts.mean(1).clamp(min=1e-9)).tolist()
         slots = counts.sum(1)
         dropped = (step[:, -2].sum() / slots.sum().clamp(min=1)).item()

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from titanlite.dtypes import DTYPES
 from titanlite.models.spec import ModelSpec
@@ -44,8 +46,9 @@ def apply_fsdp(
             for module in block.modules():
                 if getattr(module, "ep", None) is not None:
                     fully_shard(
-                        module, mesh=experts, mp_policy=policy, reshard_after_forward=not keep
-                    )
+                        module, mesh=experts, mp_policy=policy, reshard_after_forward=not keep,
+                        shard_placement_fn=_expert_placement(experts.size(experts.ndim - 1)),
+                    )  # fmt: skip
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=not keep)
     fully_shard(
         model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward == "always"
@@ -55,3 +58,16 @@ def apply_fsdp(
         "applied %s over %s (%d blocks + root), params in %s, reduce in %s",
         kind, mesh.mesh_dim_names, len(blocks), param_dtype, reduce_dtype,
     )  # fmt: skip
+
+
+def _expert_placement(shards: int) -> Callable[[nn.Parameter], Shard]:
+    """How FSDP splits a rank's experts ([experts, in, out]) over ``shards`` ranks: by whole
+    experts when they divide evenly, else each expert along its next dimension, so that no
+    rank holds more than its share (16 experts over 32 ranks would leave half of the ranks
+    one whole expert each and the other half none)."""
+
+    def placement(param: nn.Parameter) -> Shard:
+        local = param.to_local() if hasattr(param, "to_local") else param
+        return Shard(0) if local.shape[0] % shards == 0 else Shard(1)
+
+    return placement

@@ -173,6 +173,17 @@ class Pipeline:
         dist.all_reduce(ce, dist.ReduceOp.SUM, group=self.group)  # from the last stage
         return ce
 
+    def warm_up(self, batch: int, seq_len: int, device: torch.device) -> None:
+        """One forward and backward of a batch of zeros, gradients dropped: the schedule's
+        first step also runs its stages on placeholder tensors to infer shapes, and a layer
+        that keeps statistics of its forwards (a mixture of experts) must not count those
+        in a real step."""
+        tokens = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
+        self.forward_backward(tokens, tokens, 0.0)
+        for module in self.local.values():
+            for param in module.parameters():
+                param.grad = None
+
     @torch.no_grad()
     def finish_gradients(self) -> None:
         """After the last backward of a step: average over replicas (titanlite's own data

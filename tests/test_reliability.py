@@ -60,7 +60,9 @@ def start_ranks(out: Path, world: int, *args: str) -> tuple[list[subprocess.Pope
     return procs, logs
 
 
-@pytest.mark.parametrize(("fault", "victim"), [("SIGSTOP", 1), ("SIGKILL", 1), ("SIGKILL", 0)])
+# A killed rank other than 0 is the easy case (its connections close at once, and the torchrun
+# restart test in test_cluster.py kills one); a frozen one and a lost store are the hard ones.
+@pytest.mark.parametrize(("fault", "victim"), [("SIGSTOP", 1), ("SIGKILL", 0)])
 def test_a_lost_rank_is_named_and_the_others_stop_within_the_timeout(tmp_path, fault, victim):
     """One rank of 2 frozen (SIGSTOP: its connections stay open, like a node gone from the
     network) or killed, mid-training: the other stops within comm.timeout_seconds plus a few

@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 LOCAL_CLUSTER = REPO / "scripts" / "local_cluster.sh"
 SLURM_SCRIPT = REPO / "scripts" / "multinode_trainer.slurm"
 CONFIG = str(REPO / "train_configs" / "debug_model.toml")
-STEPS = 24
+STEPS = 16  # a checkpoint every 4: the kill and preemption tests need a few after one
 RTOL = 1e-4  # a parallel layout against one process: float32 round-off only
 # The tiny debug model of test_parity (heads divisible by tp), a checkpoint every 4 steps.
 TINY = (

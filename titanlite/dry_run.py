@@ -14,12 +14,9 @@ rank's own experts) and estimates the all-to-all traffic of expert parallelism p
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import resource
 import time
-from collections.abc import Iterator
-from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -282,32 +279,9 @@ def block_activation_bytes(spec, args, seq_len: int) -> int:  # noqa: ANN001
         return tensor
 
     hidden = torch.empty(probe, seq_len, args.dim, device="meta", requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), _meta_routing():
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         model(hidden)
     return sum(saved.values()) // probe
-
-
-@contextlib.contextmanager
-def _meta_routing() -> Iterator[None]:
-    """Lets a meta-device forward pass through a mixture-of-experts layer, whose routing
-    counts and grouped matmuls need values a meta tensor does not have: on meta the counts
-    come out as zeros of their shape, and a grouped matmul as one plain matmul of the same
-    rows (keeping for backward what the grouped one keeps: its input rows). Other devices
-    are untouched."""
-    bincount, grouped_mm = torch.bincount, moe.grouped_mm
-
-    def counts(
-        values: torch.Tensor, weights: torch.Tensor | None = None, minlength: int = 0
-    ) -> torch.Tensor:
-        if values.is_meta:
-            return torch.zeros(minlength, dtype=torch.int64, device="meta")
-        return bincount(values, weights, minlength)
-
-    def matmul(x: torch.Tensor, w: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
-        return x @ w[0] if x.is_meta else grouped_mm(x, w, sizes)
-
-    with mock.patch.object(torch, "bincount", counts), mock.patch.object(moe, "grouped_mm", matmul):
-        yield
 
 
 def _initialize_one_rank(parts, spec, args, cfg: JobConfig, rank: int) -> list[str]:  # noqa: ANN001

@@ -192,6 +192,35 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def all_reduce_after_backward(
+    grads: list[torch.Tensor], group: dist.ProcessGroup, divide_by: int = 1
+) -> None:
+    """Sum (then divide) gradients over ``group`` once backward is over, in flat buckets of
+    at most 25 MiB of one dtype: for what the engine does not overlap with backward."""
+    local = [local_tensor(g) for g in grads]
+    for bucket in _flat_buckets(local, 25 * _MIB):
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat, dist.ReduceOp.SUM, group=group)
+        if divide_by != 1:
+            flat /= divide_by
+        for g, piece in zip(bucket, flat.split([g.numel() for g in bucket]), strict=True):
+            g.copy_(piece.view_as(g))
+
+
+def _flat_buckets(tensors: list[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
+    """Consecutive groups of same-dtype tensors of at most ``cap_bytes`` each."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if not buckets or size + nbytes > cap_bytes or buckets[-1][0].dtype != t.dtype:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(t)
+        size += nbytes
+    return buckets
+
+
 def _collect_tensors(obj: Any, out: list[torch.Tensor]) -> None:
     """Find every tensor in a forward output (nested lists, tuples, dicts, dataclasses)."""
     if isinstance(obj, torch.Tensor):

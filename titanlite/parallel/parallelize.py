@@ -27,7 +27,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titanlite.config import JobConfig
@@ -37,6 +36,7 @@ from titanlite.models.spec import ModelSpec
 from titanlite.parallel.blocks import apply_ac, apply_compile
 from titanlite.parallel.context import ContextParallel, apply_cp
 from titanlite.parallel.ddp import BucketedDDP
+from titanlite.parallel.ddp_support import all_reduce_after_backward
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.expert import apply_ep, expert_modules
 from titanlite.parallel.fsdp import apply_fsdp
@@ -156,12 +156,8 @@ class ParallelModel:
         if grads and self.expert_scale != 1.0:
             torch._foreach_mul_([getattr(g, "_local_tensor", g) for g in grads], self.expert_scale)
         partial = [p.grad for p in self.local_token_params if p.grad is not None]
-        if partial:  # one all-reduce for all of them
-            local = [getattr(g, "_local_tensor", g) for g in partial]
-            flat = _flatten_dense_tensors(local)
-            dist.all_reduce(flat, group=self.tp_group)
-            for g, summed in zip(local, _unflatten_dense_tensors(flat, local), strict=True):
-                g.copy_(summed)
+        if partial:
+            all_reduce_after_backward(partial, self.tp_group)
 
     def train(self, mode: bool = True) -> None:
         for module in self.modules:

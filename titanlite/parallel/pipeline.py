@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from titanlite.config.layout import PipelinePlan
 from titanlite.models.spec import ModelSpec
+from titanlite.parallel.ddp_support import all_reduce_after_backward, local_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -192,14 +193,8 @@ class Pipeline:
             size = dist.get_world_size(self.replica_group)
             for module in self.local.values():
                 grads = [p.grad for p in module.parameters() if p.grad is not None]
-                for bucket in _buckets(grads, _REPLICA_BUCKET_BYTES):
-                    flat = torch.cat([g.reshape(-1) for g in bucket])
-                    dist.all_reduce(flat, dist.ReduceOp.SUM, group=self.replica_group)
-                    flat /= size
-                    pieces = flat.split([g.numel() for g in bucket])
-                    for g, piece in zip(bucket, pieces, strict=True):
-                        g.copy_(piece.view_as(g))
-        grads = [_local(p.grad) for p in self.tied_params if p.grad is not None]
+                all_reduce_after_backward(grads, self.replica_group, divide_by=size)
+        grads = [local_tensor(p.grad) for p in self.tied_params if p.grad is not None]
         if len(grads) == 2:  # both copies on this rank (the V schedules)
             total = grads[0] + grads[1]
             for g in grads:
@@ -258,22 +253,3 @@ class Pipeline:
 
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
-_REPLICA_BUCKET_BYTES = 25 * 2**20
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _buckets(grads: list[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
-    """Consecutive groups of same-dtype gradients of at most ``cap_bytes`` each."""
-    buckets: list[list[torch.Tensor]] = []
-    size = 0
-    for g in grads:
-        nbytes = g.numel() * g.element_size()
-        if not buckets or size + nbytes > cap_bytes or buckets[-1][0].dtype != g.dtype:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(g)
-        size += nbytes
-    return buckets

@@ -71,6 +71,25 @@ def _padded_bmm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch
     return torch.bmm(padded, w)[group, row]
 
 
+class _AllToAll(torch.autograd.Function):
+    """Rows to other ranks (``send[r]`` of them to rank r, ``recv[r]`` from it); its backward
+    sends the gradients the opposite way. torch.distributed.nn.functional's version of this is
+    deprecated as of torch 2.13."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, recv: list[int], send: list[int], group: Any):
+        ctx.recv, ctx.send, ctx.group = recv, send, group
+        out = x.new_empty(sum(recv), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        back = grad.new_empty(sum(ctx.send), *grad.shape[1:])
+        dist.all_to_all_single(back, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
+        return back, None, None, None
+
+
 def expert_parallel(
     x: torch.Tensor,
     counts: torch.Tensor,
@@ -87,15 +106,13 @@ def expert_parallel(
     come back in their original order (a second all-to-all). Both all-to-alls carry gradients.
     The split sizes need one host read of the counts per call.
     """
-    from torch.distributed.nn.functional import all_to_all_single
-
     local = counts.numel() // degree
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=group)
     by_source = received.view(degree, local)  # [source rank, local expert]
     send = counts.view(degree, local).sum(1).tolist()
     recv = by_source.sum(1).tolist()
-    rows = all_to_all_single(x.new_empty(sum(recv), x.shape[1]), x, recv, send, group=group)
+    rows = _AllToAll.apply(x, recv, send, group)
     # Row j of the expert-major order is row index[j] of the source-major order.
     flat = by_source.reshape(-1)
     source_start = (torch.cumsum(flat, 0) - flat).view(degree, local).t().reshape(-1)
@@ -105,9 +122,7 @@ def expert_parallel(
     index = index + torch.arange(index.numel(), device=x.device)
     out = experts(rows[index], by_source.sum(0))
     back = out.new_zeros(out.shape).index_copy(0, index, out)
-    return all_to_all_single(
-        back.new_empty(x.shape[0], out.shape[1]), back, send, recv, group=group
-    )
+    return _AllToAll.apply(back, send, recv, group)
 
 
 class GroupedExperts(nn.Module):

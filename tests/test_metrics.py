@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from titanlite.metrics import (
     peak_flops,
     wandb_mode,
 )
+from titanlite.run_info import StepLogger
 
 
 @pytest.mark.parametrize(
@@ -137,6 +140,38 @@ def test_forgotten_peak_is_measured_again(tmp_path: Path, monkeypatch: pytest.Mo
     assert flops == 4.0e9 and "cached" not in how
     cache = json.loads((tmp_path / "cache" / "peak_flops.json").read_text())
     assert sorted(cache.values()) == [2.0e9, 4.0e9]  # bf16 kept, fp32 re-measured
+
+
+def test_an_mfu_above_100_measures_the_peak_again_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A cached peak measured on a busy machine makes MFU exceed 100%: the step logger
+    measures again on the spot, logs both figures, and the run and the cache use the new one."""
+    monkeypatch.setenv("TITANLITE_CACHE_DIR", str(tmp_path / "cache"))
+    measured = iter([1.0e6, 4.0e9])  # a busy machine first, then the real peak
+    monkeypatch.setattr(metrics, "measure_matmul_flops", lambda device, dtype: next(measured))
+    cpu = torch.device("cpu")
+    peak_flops(cpu, torch.float32)
+    flops, how = peak_flops(cpu, torch.float32)  # the stale figure, from the cache
+    assert flops == 1.0e6 and "cached" in how
+    # Only what the step logger reads of the trainer for MFU.
+    trainer = SimpleNamespace(
+        peak_flops=flops, peak_source=how, flops_per_token=1000.0, device=cpu,
+        train_dtype=torch.float32,
+    )  # fmt: skip
+    step_logger = StepLogger(trainer)  # type: ignore[arg-type]
+    assert step_logger._checked_mfu(100.0) == pytest.approx(10.0)  # 1e5 of 1e6: nothing to do
+    with caplog.at_level(logging.WARNING):
+        mfu = step_logger._checked_mfu(2000.0)  # 2e6 FLOP/s against 1e6: 200%
+    assert mfu == pytest.approx(100 * 2.0e6 / 4.0e9)
+    assert trainer.peak_flops == 4.0e9 and "cached" not in trainer.peak_source
+    assert "MFU 200% is above 100%" in caplog.text and "MFU 0%" in caplog.text
+    cache = json.loads((tmp_path / "cache" / "peak_flops.json").read_text())
+    assert list(cache.values()) == [4.0e9]
+    # Once per run: a later step above 100% is reported as it is, not measured again (a
+    # third measurement would fail: the iterator is spent).
+    trainer.peak_flops = 1.0
+    assert step_logger._checked_mfu(2000.0) > 100
 
 
 def test_peak_flops_survives_a_corrupt_cache(

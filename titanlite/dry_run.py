@@ -32,6 +32,7 @@ from titanlite.config import (
     resolve_degrees,
 )
 from titanlite.config.layout import Degrees, PipelinePlan, pipeline_plan
+from titanlite.dtypes import DTYPES
 from titanlite.metrics import local_bytes
 from titanlite.models import moe
 from titanlite.models.layers import count_params
@@ -41,8 +42,6 @@ from titanlite.parallel.parallelize import parallelize
 
 # fp32 master weights, fp32 gradients, and AdamW's two fp32 moments.
 BYTES_PER_PARAM = {"params": 4, "grads": 4, "optimizer": 8}
-ELEMENT_BYTES = {"float32": 4, "bfloat16": 2}
-"""Bytes of an element in forward/backward (training.mixed_precision_param)."""
 GIB = 2**30
 
 
@@ -98,7 +97,7 @@ def _expert_lines(
 ) -> list[str]:
     """A mixture of experts on this rank: the experts' share of the model state, one
     block's weights as FSDP gathers them, and expert parallelism's all-to-all traffic."""
-    layers = [m for part in parts for m in part.modules() if isinstance(m, moe.MoE)]
+    layers = moe.MoETracker.find(parts)
     if not layers:
         return []
     d, dtype = dims.degrees, cfg.training.mixed_precision_param
@@ -145,7 +144,7 @@ def _gathered_block_line(parts: list[nn.Module], layers: list[moe.MoE], ep: int,
     # DTensors report their global shapes: the whole block, all the experts.
     experts = sum(p.numel() for p in layers[0].experts.parameters())
     dense = sum(p.numel() for p in block.parameters()) - experts
-    elem = ELEMENT_BYTES[dtype]
+    elem = DTYPES[dtype].itemsize
     own = experts // ep * elem
     return (
         f"  gathered block  {(dense * elem + own) / GIB:.2f} GiB: one block's weights "
@@ -172,7 +171,7 @@ def _all_to_all_line(
     # and under tensor parallelism its sequence shard (the MoE runs on "local_tokens").
     tokens = cfg.training.local_batch_size * accum * cfg.training.seq_len // (d.cp * d.tp)
     top_k, dim = layers[0].top_k, layers[0].experts.w1.shape[1]
-    elem = ELEMENT_BYTES[cfg.training.mixed_precision_param]
+    elem = DTYPES[cfg.training.mixed_precision_param].itemsize
     passes = 4 * len(layers) + 2 * recomputed
     sent = all_to_all_bytes(passes, tokens, top_k, dim, d.ep, elem)
     again = f" + {recomputed} recomputed x 2" if recomputed else ""

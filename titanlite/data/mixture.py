@@ -54,7 +54,7 @@ class Interleave:
         # Level d takes share units[d] / (sum of units[d:]) of what reaches it.
         self.shares = [Fraction(u, sum(units[d:])) for d, u in enumerate(units)]
         self.weights = [Fraction(u, sum(units)) for u in units]
-        self._units, self._units_total = units, sum(units)
+        self._units = units
 
     def _taken(self, level: int, n: int) -> int:
         share = self.shares[level]
@@ -89,12 +89,12 @@ class Interleave:
         counts(j + U) = counts(j) + units (U = sum of units) and the deviations repeat with
         period U (about 2^20): one vectorized pass over j <= min(k, U) covers any run.
         """
-        total = self._units_total
+        total = sum(self._units)
         j = np.arange(min(k, total) + 1, dtype=np.int64)
         rest = j.copy()
         worst = np.zeros_like(j)  # in units of 1/U of a window: exact integers
         for share, unit in zip(self.shares, self._units, strict=True):
-            got = (2 * rest * share.numerator + share.denominator) // (2 * share.denominator)
+            got = _round_half_up(rest * share.numerator, share.denominator)  # elementwise
             np.maximum(worst, np.abs(got * total - unit * j), out=worst)
             rest -= got
         return int(worst.max()) / total

@@ -12,6 +12,7 @@ from torch.distributed.tensor import Shard
 
 from titanlite.dtypes import DTYPES
 from titanlite.models.spec import ModelSpec
+from titanlite.parallel.ddp_support import local_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,6 @@ def _expert_placement(shards: int) -> Callable[[nn.Parameter], Shard]:
     one whole expert each and the other half none)."""
 
     def placement(param: nn.Parameter) -> Shard:
-        local = param.to_local() if hasattr(param, "to_local") else param
-        return Shard(0) if local.shape[0] % shards == 0 else Shard(1)
+        return Shard(0) if local_tensor(param).shape[0] % shards == 0 else Shard(1)
 
     return placement

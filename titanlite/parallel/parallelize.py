@@ -36,7 +36,7 @@ from titanlite.models.spec import ModelSpec
 from titanlite.parallel.blocks import apply_ac, apply_compile
 from titanlite.parallel.context import ContextParallel, apply_cp
 from titanlite.parallel.ddp import BucketedDDP
-from titanlite.parallel.ddp_support import all_reduce_after_backward
+from titanlite.parallel.ddp_support import all_reduce_after_backward, local_tensor
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.expert import apply_ep, expert_modules
 from titanlite.parallel.fsdp import apply_fsdp
@@ -154,7 +154,7 @@ class ParallelModel:
             self.pipeline.finish_gradients()
         grads = [p.grad for p in self.expert_params if p.grad is not None]
         if grads and self.expert_scale != 1.0:
-            torch._foreach_mul_([getattr(g, "_local_tensor", g) for g in grads], self.expert_scale)
+            torch._foreach_mul_([local_tensor(g) for g in grads], self.expert_scale)
         partial = [p.grad for p in self.local_token_params if p.grad is not None]
         if partial:
             all_reduce_after_backward(partial, self.tp_group)

@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from titanlite.models.spec import ModelSpec, TPStyle
+from titanlite.parallel.ddp_support import local_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class LocalTokens(ParallelStyle):
 
 
 def _local_inputs(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    return tuple(a.to_local() if isinstance(a, DTensor) else a for a in args)
+    return tuple(local_tensor(a) for a in args)  # DTensors to local tensors, the rest as is
 
 
 def local_token_params(model: nn.Module) -> list[nn.Parameter]:

@@ -42,6 +42,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from titanlite.data import load_tokenizer  # noqa: E402
 from titanlite.metrics import measure_matmul_flops  # noqa: E402
+from titanlite.metrics_file import read_metrics  # noqa: E402
 from titanlite.models.layers import count_params  # noqa: E402
 from titanlite.models.llama import SPEC as LLAMA  # noqa: E402
 from titanlite.models.llama.args import LlamaArgs as ModelArgs  # noqa: E402
@@ -203,8 +204,9 @@ def run(cmd: list[str], threads: int, timeout: float) -> None:
 
 
 def read_records(dump: Path) -> list[dict]:
-    lines = (dump / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
+    """A run's training records, in step order."""
+    train = read_metrics(dump / "metrics.jsonl").train
+    return [train[step] for step in sorted(train)]
 
 
 def titanlite_run(case: Case, flavor: str, args: argparse.Namespace, tmp: Path) -> list[dict]:
@@ -327,7 +329,8 @@ def data_supply(args: argparse.Namespace, rows: list[dict]) -> list[dict]:
     for row in rows:
         if row["dtype"] != "float32" or row["compile"]:
             continue
-        supply = bench_loader(tokenizer, spec, row["ranks"], args.data_seconds, True)["rank_tok_s"]
+        measured = bench_loader(tokenizer, spec, row["ranks"], args.data_seconds, prefetch=True)
+        supply = measured["rank_tok_s"]
         demand = row["titanlite_tps"] / row["ranks"]
         out.append({"flavor": row["flavor"], "ranks": row["ranks"], "supply": supply,
                     "demand": demand})  # fmt: skip

@@ -81,9 +81,9 @@ def worker(rank: int, world: int, init_file: str, argv: list[str], warmup: int, 
     try:
         for part in trainer.model.parts:  # saved for backward too, but not activations
             weights.update(p.untyped_storage().data_ptr() for p in part.parameters())
-        batches = iter(trainer.train_loader)
+        batches = iter(trainer.data.loader)
         for _ in range(warmup + 1):
-            batch = [trainer.model.local_batch(*next(batches)) for _ in range(trainer.accum_steps)]
+            batch = [next(batches) for _ in range(trainer.accum_steps)]
             dist.barrier()
             saved.clear()
             gather_s[0] = 0.0

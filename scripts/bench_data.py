@@ -37,6 +37,7 @@ from titanlite.data import (
 )
 from titanlite.data.sources import open_documents
 from titanlite.data.tokens import pretokenize
+from titanlite.metrics_file import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -71,12 +72,12 @@ class Counted:
 
 
 def bench(
-    tokenizer: Tokenizer, spec: DataSpec, world: int, seconds: float, prefetch: bool
+    tokenizer: Tokenizer, spec: DataSpec, world: int, seconds: float, *, prefetch: bool
 ) -> dict[str, float]:
     """Steady-state throughput of rank 0 of ``world`` on the text stream for ``seconds``
     (scripts/bench.py's data-supply table uses it)."""
     started = time.perf_counter()
-    loader = build_dataloader(tokenizer, spec, 0, world, "train", prefetch=prefetch)
+    loader = build_dataloader(tokenizer, spec, 0, world, split="train", prefetch=prefetch)
     batches = iter(loader)
     next(batches)
     first = time.perf_counter() - started
@@ -144,8 +145,8 @@ def trainer_tokens_per_s(folder: Path, seq_len: int, local_batch: int, tmp: Path
         "--job.dump_folder", str(out),
     ]  # fmt: skip
     subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True)
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    tps = [r["tps"] for r in map(json.loads, lines) if r.get("step", 0) >= 3 and "tps" in r]
+    train = read_metrics(out / "metrics.jsonl").train
+    tps = [r["tps"] for step, r in train.items() if step >= 3 and "tps" in r]
     return float(np.median(tps))
 
 

@@ -59,7 +59,8 @@ def main() -> int:
     out = torch.empty(shape)
     old_s = best_seconds(lambda: old_full_init(shape, 0.02), args.repeats)
     new_s = best_seconds(
-        lambda: fill_local_(out, rule, 0, "layers.0.w", shape, (0, 0)), args.repeats
+        lambda: fill_local_(out, rule, 0, "layers.0.w", global_shape=shape, global_offset=(0, 0)),
+        args.repeats,
     )
     old_ns, new_ns = 1e9 * old_s / n, 1e9 * new_s / n
     old_rank_s = LLAMA_405B_PARAMS * old_ns / 1e9

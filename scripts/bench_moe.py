@@ -85,7 +85,7 @@ def worker(
     warmup, steps = counts
     trainer = Trainer(load_config(argv))
     try:
-        batches = iter(trainer.train_loader)
+        batches = iter(trainer.data.loader)
         measured: list[tuple[float, ...]] = []
         for step in range(warmup + steps):
             batch = [next(batches) for _ in range(trainer.accum_steps)]

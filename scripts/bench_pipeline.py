@@ -81,7 +81,7 @@ def worker(rank: int, world: int, init_file: str, argv: list[str], steps: int, o
         setattr(stage_module._PipelineStageBase, name, timed)
     trainer = Trainer(load_config(argv))
     try:
-        batches = iter(trainer.train_loader)
+        batches = iter(trainer.data.loader)
         step_s, bubbles = [], []
         for step in range(steps + 2):
             batch = [next(batches) for _ in range(trainer.accum_steps)]

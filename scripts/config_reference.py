@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import typing
 
-from titanlite.config.parse import field_docs, field_types, sections, toml_value, type_name
+from titanlite.config.render import registry_choices, toml_value
+from titanlite.config.schema import field_docs, field_types, sections, type_name
 from titanlite.config.torchtitan import mapping_table_markdown
 
 
@@ -30,9 +32,27 @@ def reference() -> str:
             default = getattr(defaults, f.name)
             shown = "unset" if default is None else toml_value(default)
             kind = type_name(types_[f.name]).replace("|", " \\| ")
-            lines.append(f"| `{f.name}` | {kind} | `{shown}` | {docs.get(f.name, '')} |")
+            meaning = "; ".join([docs.get(f.name, ""), *registry_choices(f"{section}.{f.name}")])
+            lines.append(f"| `{f.name}` | {kind} | `{shown}` | {meaning.replace('|', '/')} |")
         lines.append("")
+        for f in dataclasses.fields(cls):  # lists of tables: their keys
+            inner = typing.get_args(types_[f.name])
+            if typing.get_origin(types_[f.name]) is list and dataclasses.is_dataclass(inner[0]):
+                lines += table_keys(f"{section}.{f.name}", inner[0])
     return "\n".join(lines) + "\n" + mapping_table_markdown()
+
+
+def table_keys(key: str, cls: type) -> list[str]:
+    lines = [f"### [[{key}]] tables", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+    docs, types_ = field_docs(cls), field_types(cls)
+    for f in dataclasses.fields(cls):
+        if f.default is dataclasses.MISSING:
+            shown = "required"
+        else:
+            shown = "unset" if f.default is None else f"`{toml_value(f.default)}`"
+        kind = type_name(types_[f.name]).replace("|", " \\| ")
+        lines.append(f"| `{f.name}` | {kind} | {shown} | {docs.get(f.name, '')} |")
+    return [*lines, ""]
 
 
 if __name__ == "__main__":

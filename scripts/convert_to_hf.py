@@ -55,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             loaded.spec,
             loaded.args,
             args.out,
-            tokenizer,
+            tokenizer=tokenizer,
             dtype=DTYPES[args.dtype],
             max_shard_bytes=max_shard_bytes,
             source=source,

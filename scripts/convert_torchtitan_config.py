@@ -12,15 +12,16 @@ without --force.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from titanlite.config.job_config import JobConfig
-from titanlite.config.parse import apply_toml, read_toml, toml_value
+from titanlite.config.parse import apply_toml, read_toml
+from titanlite.config.render import toml_value
 from titanlite.config.torchtitan import Conversion, convert, looks_like_torchtitan
 from titanlite.errors import EXIT_USER_ERROR, UserError
+from titanlite.files import atomic_write
 
 PROG = "convert_torchtitan_config"
 
@@ -45,13 +46,9 @@ def render(conv: Conversion, source: Path) -> str:
 
 
 def write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "x", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
+        atomic_write(path, text)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise UserError(f"cannot write {str(path)!r}: {e}") from None
 
 

@@ -6,7 +6,9 @@
 RUN_A and RUN_B are run dump folders (``--job.dump_folder``) or their ``metrics.jsonl``
 files. The training records (validation records are ignored) are matched by step; for every
 step both runs logged, the table shows each metric in A and B and their relative difference
-``|A - B| / max(|A|, |B|)``, followed by the largest relative difference per metric.
+``|A - B| / max(|A|, |B|)``, followed by the largest relative difference per metric. Of a
+resumed run, each step counts as the run that continued logged it (the last record of the step;
+steps a resume went back over and did not redo are left out).
 
 Typical use: a 1-process run against the same run on N processes with the same global batch,
 with ``--metrics.log_freq 1`` so that every step is logged (see docs/parity.md).
@@ -20,13 +22,13 @@ steps, a missing metric, matplotlib absent with --plot), reported in one line on
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from titanlite.compare import relative_difference
+from titanlite.metrics_file import MetricsFileError, find_metrics_file, read_metrics
 
 EXIT_OK, EXIT_DIFFERENT, EXIT_BAD_INPUT = 0, 1, 2
 DEFAULT_RTOL = 1e-4
@@ -57,46 +59,21 @@ class Comparison:
         return max(self.rel_diffs[metric])
 
 
-def metrics_file(run: str | Path) -> Path:
-    """The metrics.jsonl of a run folder, or the file itself when given one."""
-    path = Path(run)
-    if path.is_dir():
-        path = path / "metrics.jsonl"
-    if not path.is_file():
-        raise InputError(f"no metrics file: {path}")
-    return path
-
-
 def load_run(run: str | Path) -> Run:
-    """Training records (not validation ones) of a run, keyed by step."""
-    path = metrics_file(run)
-    records: dict[int, dict] = {}
+    """Training records (not validation ones) of a run, keyed by step: of a step logged twice
+    (a run resumed from an earlier checkpoint) the last record, and none of the steps a
+    resume abandoned (titanlite.metrics_file). A malformed line is an error: a comparison
+    must not quietly skip a step."""
     try:
-        with path.open(encoding="utf-8") as f:
-            for number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                record = parse_record(line, path, number)
-                # A step logged twice (a run resumed from an earlier checkpoint): the last wins.
-                if record.get("kind") != "validation":
-                    records[record["step"]] = record
-    except UnicodeDecodeError:
-        raise InputError(f"{path}: not a text file") from None
-    except OSError as e:
-        raise InputError(f"cannot read {path}: {e.strerror}") from None
-    if not records:
-        raise InputError(f"{path}: no training records")
-    return Run(path, records)
-
-
-def parse_record(line: str, path: Path, number: int) -> dict:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise InputError(f"{path}:{number}: malformed JSON ({e.msg})") from None
-    if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-        raise InputError(f"{path}:{number}: not a metrics record (needs an integer 'step')")
-    return record
+        found = read_metrics(find_metrics_file(run))
+    except MetricsFileError as e:
+        raise InputError(str(e)) from None
+    if found.malformed:
+        bad = found.malformed[0]
+        raise InputError(f"{found.path}:{bad.line}: {bad.reason}")
+    if not found.train:
+        raise InputError(f"{found.path}: no training records")
+    return Run(found.path, found.train)
 
 
 def common_steps(a: Run, b: Run) -> tuple[list[int], list[str]]:

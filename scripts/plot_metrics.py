@@ -19,13 +19,14 @@ Needs matplotlib: ``pip install 'titanlite[plot]'``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from titanlite.files import atomic_path
+from titanlite.metrics_file import MetricsFileError, find_metrics_file, read_metrics
 
 EXIT_OK, EXIT_BAD_INPUT = 0, 2
 TRAIN_KEYS = ("loss", "tps", "mfu_pct", "lr")
@@ -47,52 +48,21 @@ class Run:
 
 
 def load_run(run: str | Path) -> Run:
-    path = Path(run)
-    if not path.exists():
-        raise InputError(f"{path}: no such file or directory")
-    if path.is_dir():
-        path = path / "metrics.jsonl"
-        if not path.is_file():
-            raise InputError(f"{path.parent}: no metrics.jsonl in this folder")
-    train: dict[int, dict] = {}
-    val: dict[int, float] = {}
-    skipped: list[int] = []
     try:
-        with path.open(encoding="utf-8") as f:
-            for number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    record = None
-                step = record.get("step") if isinstance(record, dict) else None
-                if not isinstance(step, int) or isinstance(step, bool):
-                    skipped.append(number)
-                    continue
-                kind = record.get("kind")
-                if kind is None:
-                    train[step] = record  # a step logged twice: the later record wins
-                elif kind == "validation":
-                    val[step] = number_or_nan(record.get("val_loss"))
-                elif kind == "resume":
-                    # Steps past the checkpoint were undone; plotting them would splice two
-                    # histories where the resumed run has not (yet) re-done them.
-                    train = {s: r for s, r in train.items() if s <= step}
-                    val = {s: v for s, v in val.items() if s <= step}
-    except UnicodeDecodeError:
-        raise InputError(f"{path}: not a text file") from None
-    except OSError as e:
-        raise InputError(f"{path}: cannot read ({e.strerror})") from None
-    if not train:
-        raise InputError(f"{path}: no training steps")
+        found = read_metrics(find_metrics_file(run))
+    except MetricsFileError as e:
+        raise InputError(str(e)) from None
+    if not found.train:
+        raise InputError(f"{found.path}: no training steps")
+    train, val = found.train, found.validation
     steps = sorted(train)
     series: dict[str, list[float]] = {"step": [float(s) for s in steps]}
     for key in TRAIN_KEYS:
         series[key] = [number_or_nan(train[s].get(key)) for s in steps]
     series["val_step"] = [float(s) for s in sorted(val)]
-    series["val_loss"] = [val[s] for s in sorted(val)]
-    return Run(path, path.resolve().parent.name, series, skipped)
+    series["val_loss"] = [number_or_nan(val[s].get("val_loss")) for s in sorted(val)]
+    skipped = [bad.line for bad in found.malformed]
+    return Run(found.path, found.path.resolve().parent.name, series, skipped)
 
 
 def number_or_nan(value: object) -> float:
@@ -146,14 +116,12 @@ def plot(runs: list[Run], out: Path, title: str | None, smooth: int) -> None:
         fig.suptitle(title)
     fig.tight_layout()
     # Written beside the target and renamed over it: a failed save never leaves half a PNG.
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, out)
+        with atomic_path(out) as tmp:
+            fig.savefig(tmp, format="png")
     except OSError as e:
         raise InputError(f"{out}: cannot write ({e.strerror})") from None
     finally:
-        tmp.unlink(missing_ok=True)
         plt.close(fig)
 
 

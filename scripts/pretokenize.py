@@ -14,12 +14,12 @@ from __future__ import annotations
 import logging
 import sys
 
-from titanlite.checks import resolve_path
 from titanlite.config import load_config
 from titanlite.data import load_tokenizer
+from titanlite.data.build import data_spec
 from titanlite.data.tokens import DEFAULT_SHARD_TOKENS, pretokenize, verify
 from titanlite.errors import EXIT_USER_ERROR, UserError
-from titanlite.trainer import data_spec
+from titanlite.paths import resolve_path
 
 USAGE = __doc__.split("\n\n")[1]
 
@@ -58,7 +58,9 @@ def main(argv: list[str] | None = None) -> int:
             argv = ["--job.config_file", argv[0], *argv[1:]]
         cfg = load_config(argv)
         tokenizer = load_tokenizer(resolve_path(cfg.model.tokenizer_path))
-        meta = pretokenize(data_spec(cfg), tokenizer, out, shard_tokens=shard_tokens)
+        meta = pretokenize(
+            data_spec(cfg.training, cfg.validation), tokenizer, out, shard_tokens=shard_tokens
+        )
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR

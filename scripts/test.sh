@@ -20,6 +20,6 @@ if [ $# -eq 0 ]; then
   set -- -n 2 --dist loadfile --no-loadscope-reorder
 fi
 # Tests never reach the network: the Hub is refused at once, wandb stays offline.
-export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 WANDB_MODE="${WANDB_MODE:-offline}"
+export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 WANDB_MODE=offline
 export TITANLITE_PYTHON="$py"
 exec "$py" -m pytest "$@"

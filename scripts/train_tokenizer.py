@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import os
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,6 +35,7 @@ from titanlite.data.tokenizer import (
     load_tokenizer,
 )
 from titanlite.errors import EXIT_USER_ERROR, UserError
+from titanlite.files import atomic_path
 from titanlite.interop.folders import atomic_folder
 
 # sentencepiece skips longer "sentences"; we feed lines and cut longer ones at spaces.
@@ -180,20 +179,9 @@ def write_folder_atomically(files: dict[str, str], out: Path) -> None:
 def write_atomically(data: bytes, out: Path) -> None:
     """Write ``data`` to ``out`` through a temporary file in the same folder and a rename."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+    with atomic_path(out, durable=True) as tmp:
+        tmp.write_bytes(data)
         load_tokenizer(tmp)  # refuse to install a file that does not load
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; a model is an ordinary file
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def bytes_per_token(tokenizer: Tokenizer, texts: list[str]) -> float:

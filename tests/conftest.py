@@ -16,15 +16,48 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 TEST_CACHE = Path(tempfile.gettempdir()) / f"titanlite-test-cache-{os.getuid()}"
 
+# No test depends on the caller's environment: what titanlite and the libraries it uses read
+# from it is pinned (pytest_configure below), for pytest's process and every process it starts,
+# before a test module imports them (huggingface_hub and datasets read theirs at import).
+PINNED_ENV = {
+    # Never the network: the Hub is refused at once, W&B writes offline runs (tests read them).
+    "HF_DATASETS_OFFLINE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "WANDB_MODE": "offline",
+    # The Hugging Face caches (datasets writes one for local files too) and titanlite's own
+    # (the matmul peak that tests measure on a busy machine) stay out of the user's.
+    "HF_HOME": str(TEST_CACHE / "huggingface"),
+    "TITANLITE_CACHE_DIR": str(TEST_CACHE),
+}
+UNSET_ENV = (
+    # A launcher's world (a shell inside torchrun or a SLURM job) is not the tests' world, and
+    # run_train.sh's settings are the ones each test passes.
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID", "NGPU", "NNODES", "RDZV_ENDPOINT", "RDZV_ID", "MAX_RESTARTS",
+    "LOG_RANK", "CONFIG_FILE", "TITANLITE_TORCHRUN",
+    # Cache locations that would override HF_HOME's, and W&B credentials and folders.
+    "HF_DATASETS_CACHE", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_CACHE",
+    "WANDB_API_KEY", "WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR",
+    # titanlite's launcher and debugging variables.
+    "TITANLITE_ERROR_FILE", "TITANLITE_LAUNCH_TIME", "TITANLITE_CUDA_SYNC_CHECK",
+)  # fmt: skip
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Pin the environment, before pytest imports any test module. (A hook, not code at
+    import: the pool's workers import this module too, and their RANK is theirs.)"""
+    for name in UNSET_ENV:
+        os.environ.pop(name, None)
+    os.environ.update(PINNED_ENV)
+
 
 def subprocess_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     """Environment for a titanlite subprocess: this interpreter, no network, caches in tmp."""
     env = dict(os.environ)
     env.update(
+        PINNED_ENV,  # whatever a test has changed in this process
         TITANLITE_PYTHON=sys.executable,
-        HF_DATASETS_OFFLINE="1",
-        HF_HUB_OFFLINE="1",
-        WANDB_MODE=env.get("WANDB_MODE", "offline"),
         WANDB_DIR=str(tmp_path),
         WANDB_CACHE_DIR=str(tmp_path / "wandb-cache"),
         WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"),
@@ -34,9 +67,6 @@ def subprocess_env(tmp_path: Path, **extra: str) -> dict[str, str]:
         # cores, and OpenMP threads that spin while others hold the cores slow a run up to
         # tenfold (the quick start took over 600 s so, against 78 s alone).
         OMP_NUM_THREADS=env.get("TITANLITE_TEST_THREADS", "1"),
-        # The matmul peak that tests measure (on a machine busy with tests) must not end up
-        # in the user's cache, where it would set their runs' MFU.
-        TITANLITE_CACHE_DIR=str(TEST_CACHE),
     )
     env.pop("TITANLITE_ERROR_FILE", None)
     env.update(extra)

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from titanlite.models.attention import CausalAttention
 from titanlite.parallel.context import ContextParallel
 
 
@@ -40,7 +41,7 @@ def attention_matches_full(
     context = ContextParallel(dist.group.WORLD, world, rank, masked=masked)
     mine = context.positions(seq // world, q.device)
     local = [t.detach()[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
-    out = context.attention(*local, ids)
+    out = context.attention(CausalAttention(), *local, documents=ids)
     out.backward(upstream[:, :, mine])
     diffs = {"out": (out - full.detach()[:, :, mine]).abs().max().item()}
     for name, tensor, piece in zip("qkv", (q, k, v), local, strict=True):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from titanlite.models.moe import GroupedExperts, expert_parallel
+from titanlite.models.moe import GroupedExperts
+from titanlite.parallel.expert import expert_parallel
 
 
 def dispatch_matches_local_experts(rank: int, world: int, experts: int = 8) -> dict[str, float]:
@@ -35,7 +36,7 @@ def dispatch_matches_local_experts(rank: int, world: int, experts: int = 8) -> d
         for name, w in mine.named_parameters():
             w.copy_(getattr(full, name)[rank * per : (rank + 1) * per])
     x_ep = x.clone().requires_grad_(True)
-    out = expert_parallel(x_ep, counts, dist.group.WORLD, world, mine)
+    out = expert_parallel(x_ep, counts, mine, group=dist.group.WORLD, degree=world)
     (out * probe).sum().backward()
 
     worst = {"out": 0.0, "x_grad": 0.0, "w_grad": 0.0}

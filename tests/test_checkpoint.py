@@ -33,6 +33,7 @@ from titanlite.checkpoint.checkpointer import Checkpointer, ModelIdentity
 from titanlite.checkpoint.folders import complete_checkpoints, read_sidecar
 from titanlite.config.job_config import Checkpoint as CheckpointConfig
 from titanlite.errors import EXIT_PREEMPTED, UserError
+from titanlite.metrics_file import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -128,8 +129,12 @@ def records(out: Path) -> list[dict]:
 
 
 def last_losses(out: Path) -> dict[int, float]:
-    """Loss of the LAST record of each step."""
-    return {r["step"]: r["loss"] for r in records(out) if "loss" in r}
+    """Loss of each step as the run that continued logged it: the LAST record of the step
+    (titanlite.metrics_file; a line being written is skipped as malformed)."""
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return {}
+    return {step: r["loss"] for step, r in read_metrics(path).train.items() if "loss" in r}
 
 
 def steps_since_last_resume(out: Path) -> list[int]:
@@ -660,7 +665,8 @@ def test_a_swap_killed_half_way_is_undone_at_start_up(tmp_path: Path) -> None:
     fake("step-8.stale.deleting", "a killed deletion", complete=False)
     fake("step-12", "damaged 12", complete=False)  # not from a swap: left for a person
     fake("step-12.stale", "old 12")
-    ckpt = Checkpointer({}, CheckpointConfig(), folder, ModelIdentity("llama3", {}), {}, True)
+    ckpt = Checkpointer({}, CheckpointConfig(), folder, ModelIdentity("llama3", {}),
+                        sidecar_fields={}, is_main=True)  # fmt: skip
     ckpt.close()  # waits for the background deletions
     names = sorted(p.name for p in folder.iterdir())
     assert names == ["step-12", "step-12.stale", "step-4", "step-4.partial", "step-8"], names
@@ -701,7 +707,8 @@ def test_rank_0_finishes_a_save_off_the_training_thread(tmp_path: Path) -> None:
                             rank=0, world_size=1)  # fmt: skip
     try:
         ckpt = Checkpointer({"model": _Weights()}, CheckpointConfig(keep_latest_k=1), folder,
-                            ModelIdentity("llama3", {}), {}, True, write_files)  # fmt: skip
+                            ModelIdentity("llama3", {}), sidecar_fields={}, is_main=True,
+                            write_files=write_files)  # fmt: skip
         ckpt.save(1)
         assert not (folder / "step-1").exists(), "save() waited for rank 0's finishing"
         assert (folder / "step-1.partial" / ".metadata").is_file()

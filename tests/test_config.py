@@ -16,7 +16,8 @@ from titanlite.config import (
     parse_cli,
     to_toml,
 )
-from titanlite.config.parse import apply_toml, field_docs, sections, tomllib
+from titanlite.config.parse import apply_toml, tomllib
+from titanlite.config.schema import field_docs, sections
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN_CONFIGS = sorted((REPO / "train_configs").glob("*.toml"))

@@ -125,7 +125,7 @@ def test_windows_are_slices_of_the_bos_eos_stream(tok: Tokenizer, tmp_path: Path
     docs = make_docs(12)
     path = write_jsonl(tmp_path / "d.jsonl", docs)
     spec = spec_for(path, validation_fraction=0.0, infinite=False, local_batch_size=4)
-    batches = list(build_dataloader(tok, spec, 0, 1, "train"))
+    batches = list(build_dataloader(tok, spec, 0, 1, split="train"))
     for x, y in batches:
         assert x.shape == y.shape == (4, 32) and x.dtype == y.dtype == torch.int64
         assert torch.equal(x[:, 1:], y[:, :-1])  # labels are inputs shifted by one
@@ -140,7 +140,7 @@ def test_windows_are_slices_of_the_bos_eos_stream(tok: Tokenizer, tmp_path: Path
 def test_infinite_stream_continues_across_epochs(tok: Tokenizer, tmp_path: Path) -> None:
     docs = make_docs(5)
     spec = spec_for(write_jsonl(tmp_path / "d.jsonl", docs), validation_fraction=0.0)
-    loader = build_dataloader(tok, spec, 0, 1, "train")
+    loader = build_dataloader(tok, spec, 0, 1, split="train")
     per_epoch = sum(len(tok.encode(d)) for d in docs)
     steps = 3 * per_epoch // (8 * 33) + 1
     got = stacked(take(loader, steps))
@@ -152,7 +152,7 @@ def test_infinite_stream_continues_across_epochs(tok: Tokenizer, tmp_path: Path)
 def test_sotu_batches_and_resume(tok: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(loader_module, "_MIN_READ_CHARS", DEFAULT_MIN_READ_CHARS)
     spec = DataSpec(seq_len=256, local_batch_size=8)
-    loader = build_dataloader(tok, spec, 0, 1, "train")
+    loader = build_dataloader(tok, spec, 0, 1, split="train")
     batches = take(loader, 10)
     x, y = batches[0]
     assert x.shape == (8, 256) and torch.equal(x[:, 1:], y[:, :-1])
@@ -178,9 +178,11 @@ def test_global_batch_is_independent_of_dp_degree(
     tok: Tokenizer, corpus: Path, world: int, local: int
 ) -> None:
     steps = 30
-    single = take(build_dataloader(tok, spec_for(corpus), 0, 1, "train"), steps)
+    single = take(build_dataloader(tok, spec_for(corpus), 0, 1, split="train"), steps)
     spec = spec_for(corpus, local_batch_size=local)
-    shards = [take(build_dataloader(tok, spec, r, world, "train"), steps) for r in range(world)]
+    shards = [
+        take(build_dataloader(tok, spec, r, world, split="train"), steps) for r in range(world)
+    ]
     for step in range(steps):
         for part in (0, 1):  # inputs, labels
             union = torch.cat([shards[r][step][part] for r in range(world)])
@@ -194,7 +196,7 @@ import sys, torch
 from titanlite.data import DEFAULT_TOKENIZER_PATH, DataSpec, build_dataloader, load_tokenizer
 rank, world, path, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 spec = DataSpec(dataset_path=path, seq_len=32, local_batch_size=8 // world, validation_fraction=0.1)
-loader = build_dataloader(load_tokenizer(DEFAULT_TOKENIZER_PATH), spec, rank, world, "train")
+loader = build_dataloader(load_tokenizer(DEFAULT_TOKENIZER_PATH), spec, rank, world, split="train")
 it = iter(loader)
 torch.save([next(it) for _ in range(5)], out)
 """
@@ -216,7 +218,7 @@ def test_ranks_in_separate_processes_share_the_global_batch(
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
     shares = [torch.load(out) for out in outs]
     # (The subprocesses read in default-sized rounds, this one in small ones: no difference.)
-    single = take(build_dataloader(tok, spec_for(corpus), 0, 1, "train"), 5)
+    single = take(build_dataloader(tok, spec_for(corpus), 0, 1, split="train"), 5)
     for step in range(5):
         union = torch.cat([shares[0][step][0], shares[1][step][0]])
         assert torch.equal(union, single[step][0])
@@ -226,15 +228,15 @@ def test_ranks_in_separate_processes_share_the_global_batch(
 
 
 def continue_from(state, tok, spec, rank, world, n):
-    loader = build_dataloader(tok, spec, rank, world, "train")
+    loader = build_dataloader(tok, spec, rank, world, split="train")
     loader.load_state_dict(json.loads(json.dumps(state)))  # state is plain, JSON-able Python
     return take(loader, n)
 
 
 def test_resume_mid_epoch_is_exact(tok: Tokenizer, corpus: Path) -> None:
     spec = spec_for(corpus)
-    uninterrupted = take(build_dataloader(tok, spec, 0, 1, "train"), 25)
-    first = build_dataloader(tok, spec, 0, 1, "train")
+    uninterrupted = take(build_dataloader(tok, spec, 0, 1, split="train"), 25)
+    first = build_dataloader(tok, spec, 0, 1, split="train")
     take(first, 10)
     state = first.state_dict()
     assert state["epoch"] == 0 and state["windows_consumed"] == 80
@@ -244,7 +246,7 @@ def test_resume_mid_epoch_is_exact(tok: Tokenizer, corpus: Path) -> None:
 
 def test_resume_across_epoch_boundary_is_exact(tok: Tokenizer, corpus: Path) -> None:
     spec = spec_for(corpus)
-    loader = build_dataloader(tok, spec, 0, 1, "train")
+    loader = build_dataloader(tok, spec, 0, 1, split="train")
     it = iter(loader)
     states, batches = [], []
     while len(states) < 5 or states[-5]["epoch"] < 1:  # until a few steps into epoch 1
@@ -262,7 +264,7 @@ def test_resume_across_epoch_boundary_is_exact(tok: Tokenizer, corpus: Path) -> 
 def test_epochs_shuffle_file_order(tok: Tokenizer, corpus: Path) -> None:
     spec = spec_for(corpus, validation_fraction=0.0)
     epoch_tokens = sum(len(tok.encode(t)) for t in iter_texts(spec, "train"))
-    batches = take(build_dataloader(tok, spec, 0, 1, "train"), 3 * epoch_tokens // (8 * 33))
+    batches = take(build_dataloader(tok, spec, 0, 1, split="train"), 3 * epoch_tokens // (8 * 33))
     text = tok.decode(stacked(batches).flatten().tolist())
     order = [int(m) for m in re.findall(r"Document (\d+):", text)]
     epoch0, epoch1 = order[:40], order[40:80]
@@ -272,11 +274,11 @@ def test_epochs_shuffle_file_order(tok: Tokenizer, corpus: Path) -> None:
 
 def test_read_ahead_thread_changes_nothing(tok: Tokenizer, corpus: Path) -> None:
     spec = spec_for(corpus)
-    threaded = build_dataloader(tok, spec, 0, 1, "train")
-    inline = build_dataloader(tok, spec, 0, 1, "train", prefetch=False)
+    threaded = build_dataloader(tok, spec, 0, 1, split="train")
+    inline = build_dataloader(tok, spec, 0, 1, split="train", prefetch=False)
     assert torch.equal(stacked(take(threaded, 20)), stacked(take(inline, 20)))
     assert threaded.state_dict() == inline.state_dict()
-    resumed = build_dataloader(tok, spec, 0, 1, "train", prefetch=False)
+    resumed = build_dataloader(tok, spec, 0, 1, split="train", prefetch=False)
     resumed.load_state_dict(threaded.state_dict())
     assert torch.equal(stacked(take(resumed, 90)), stacked(take(threaded, 90)))
 
@@ -284,7 +286,7 @@ def test_read_ahead_thread_changes_nothing(tok: Tokenizer, corpus: Path) -> None
 def test_dropped_loaders_leave_no_threads(tok: Tokenizer, corpus: Path) -> None:
     before = threading.active_count()
     for _ in range(3):
-        take(build_dataloader(tok, spec_for(corpus), 0, 1, "train"), 2)
+        take(build_dataloader(tok, spec_for(corpus), 0, 1, split="train"), 2)
     deadline = time.monotonic() + 5
     while threading.active_count() > before and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -293,7 +295,7 @@ def test_dropped_loaders_leave_no_threads(tok: Tokenizer, corpus: Path) -> None:
 
 def test_state_saved_at_one_rank_loads_at_two(tok: Tokenizer, corpus: Path) -> None:
     spec1 = spec_for(corpus)
-    loader = build_dataloader(tok, spec1, 0, 1, "train")
+    loader = build_dataloader(tok, spec1, 0, 1, split="train")
     take(loader, 7)
     state = loader.state_dict()
     continuing = take(loader, 12)
@@ -303,8 +305,8 @@ def test_state_saved_at_one_rank_loads_at_two(tok: Tokenizer, corpus: Path) -> N
         union = torch.cat([ranks[0][step][0], ranks[1][step][0]])
         assert torch.equal(union, continuing[step][0])
     # ... and back: a state saved by the two ranks (identical on both) loads at one rank.
-    a = build_dataloader(tok, spec2, 0, 2, "train")
-    b = build_dataloader(tok, spec2, 1, 2, "train")
+    a = build_dataloader(tok, spec2, 0, 2, split="train")
+    b = build_dataloader(tok, spec2, 1, 2, split="train")
     a.load_state_dict(state)
     b.load_state_dict(state)
     take(a, 5)
@@ -315,16 +317,18 @@ def test_state_saved_at_one_rank_loads_at_two(tok: Tokenizer, corpus: Path) -> N
 
 
 def test_state_mismatch_is_a_user_error(tok: Tokenizer, corpus: Path, tmp_path: Path) -> None:
-    loader = build_dataloader(tok, spec_for(corpus), 0, 1, "train")
+    loader = build_dataloader(tok, spec_for(corpus), 0, 1, split="train")
     take(loader, 2)
     state = loader.state_dict()
     with pytest.raises(UserError, match="seq_len was 32 when saved, now 64"):
-        build_dataloader(tok, spec_for(corpus, seq_len=64), 0, 1, "train").load_state_dict(state)
+        build_dataloader(tok, spec_for(corpus, seq_len=64), 0, 1, split="train").load_state_dict(
+            state
+        )
     other = write_jsonl(tmp_path / "other.jsonl", make_docs(3))
     with pytest.raises(UserError, match="source was .*docs.* now .*other.jsonl"):
-        build_dataloader(tok, spec_for(other), 0, 1, "train").load_state_dict(state)
+        build_dataloader(tok, spec_for(other), 0, 1, split="train").load_state_dict(state)
     with pytest.raises(UserError, match="different tokenizer"):
-        build_dataloader(tok, spec_for(corpus), 0, 1, "train").load_state_dict(
+        build_dataloader(tok, spec_for(corpus), 0, 1, split="train").load_state_dict(
             {**state, "tokenizer": "0123456789abcdef"}
         )
 
@@ -341,14 +345,14 @@ def test_validation_split_is_disjoint_deterministic_and_finite(
     assert train_docs.isdisjoint(val_docs) and train_docs | val_docs == set(range(40))
     assert 3 <= len(val_docs) <= 20
 
-    val = build_dataloader(tok, spec, 0, 1, "validation")
+    val = build_dataloader(tok, spec, 0, 1, split="validation")
     first_pass = list(val)  # finite
     assert first_pass and torch.equal(stacked(list(val)), stacked(first_pass))  # restarts
-    fresh = list(build_dataloader(tok, spec, 0, 1, "validation"))
+    fresh = list(build_dataloader(tok, spec, 0, 1, split="validation"))
     assert torch.equal(stacked(fresh), stacked(first_pass))  # deterministic
     assert doc_ids(tok, stacked(first_pass)) == val_docs
 
-    train = build_dataloader(tok, spec, 0, 1, "train")
+    train = build_dataloader(tok, spec, 0, 1, split="train")
     it = iter(train)
     seen: set[int] = set()
     while train.state_dict()["epoch"] == 0:
@@ -359,8 +363,8 @@ def test_validation_split_is_disjoint_deterministic_and_finite(
 def test_validation_last_batch_is_padded_equally_on_all_ranks(tok: Tokenizer, corpus: Path) -> None:
     spec = spec_for(corpus, validation_fraction=0.25, local_batch_size=3)
     spec6 = spec_for(corpus, validation_fraction=0.25, local_batch_size=6)
-    one = list(build_dataloader(tok, spec6, 0, 1, "validation"))
-    ranks = [list(build_dataloader(tok, spec, r, 2, "validation")) for r in range(2)]
+    one = list(build_dataloader(tok, spec6, 0, 1, split="validation"))
+    ranks = [list(build_dataloader(tok, spec, r, 2, split="validation")) for r in range(2)]
     assert len(ranks[0]) == len(ranks[1]) == len(one)  # no rank waits for the others
     for step in range(len(one)):
         assert torch.equal(torch.cat([ranks[0][step][1], ranks[1][step][1]]), one[step][1])
@@ -384,9 +388,9 @@ def test_validation_batches_kept_on_disk_come_back_for_the_same_key_only(
 
     source = write_folder(tmp_path / "docs", make_docs(12, seed=4))
     spec = spec_for(source, validation_fraction=0.25, local_batch_size=2)
-    batches = list(build_dataloader(tok, spec, 1, 2, "validation"))  # rank 1 of 2
+    batches = list(build_dataloader(tok, spec, 1, 2, split="validation"))  # rank 1 of 2
     assert len(batches) >= 2
-    key = held_out.batches_key(spec, tok.fingerprint, 1, 2, -1)
+    key = held_out.batches_key(spec, tok.fingerprint, dp_rank=1, dp=2, steps=-1)
     path = tmp_path / "run" / "validation" / "dp1-of-2.pt"
     assert held_out.load(path, key) is None  # nothing kept yet
     held_out.save(path, key, batches)
@@ -398,20 +402,28 @@ def test_validation_batches_kept_on_disk_come_back_for_the_same_key_only(
 
     # Everything that determines the batches changes the key, and another key reads nothing.
     others = [
-        held_out.batches_key(replace(spec, seq_len=16), tok.fingerprint, 1, 2, -1),
-        held_out.batches_key(replace(spec, local_batch_size=3), tok.fingerprint, 1, 2, -1),
-        held_out.batches_key(replace(spec, validation_fraction=0.3), tok.fingerprint, 1, 2, -1),
-        held_out.batches_key(replace(spec, dataset_path=str(tmp_path)), tok.fingerprint, 1, 2, -1),
-        held_out.batches_key(spec, "0" * 16, 1, 2, -1),
-        held_out.batches_key(spec, tok.fingerprint, 0, 2, -1),
-        held_out.batches_key(spec, tok.fingerprint, 1, 4, -1),
-        held_out.batches_key(spec, tok.fingerprint, 1, 2, 3),
+        held_out.batches_key(replace(spec, seq_len=16), tok.fingerprint, dp_rank=1, dp=2, steps=-1),
+        held_out.batches_key(
+            replace(spec, local_batch_size=3), tok.fingerprint, dp_rank=1, dp=2, steps=-1
+        ),
+        held_out.batches_key(
+            replace(spec, validation_fraction=0.3), tok.fingerprint, dp_rank=1, dp=2, steps=-1
+        ),
+        held_out.batches_key(
+            replace(spec, dataset_path=str(tmp_path)), tok.fingerprint, dp_rank=1, dp=2, steps=-1
+        ),
+        held_out.batches_key(spec, "0" * 16, dp_rank=1, dp=2, steps=-1),
+        held_out.batches_key(spec, tok.fingerprint, dp_rank=0, dp=2, steps=-1),
+        held_out.batches_key(spec, tok.fingerprint, dp_rank=1, dp=4, steps=-1),
+        held_out.batches_key(spec, tok.fingerprint, dp_rank=1, dp=2, steps=3),
     ]
     assert len({key, *others}) == len(others) + 1
     assert held_out.load(path, others[0]) is None
     (source / "005.txt").write_text("another text, the same file name", encoding="utf-8")
-    assert held_out.batches_key(spec, tok.fingerprint, 1, 2, -1) != key  # the data changed
-    assert held_out.batches_key(spec, tok.fingerprint, 1, 2, -1) not in others
+    assert (
+        held_out.batches_key(spec, tok.fingerprint, dp_rank=1, dp=2, steps=-1) != key
+    )  # the data changed
+    assert held_out.batches_key(spec, tok.fingerprint, dp_rank=1, dp=2, steps=-1) not in others
 
     # A damaged file is only a cache: ignored with a warning.
     path.write_bytes(path.read_bytes()[:200])
@@ -422,7 +434,7 @@ def test_validation_batches_kept_on_disk_come_back_for_the_same_key_only(
 
 def test_no_validation_split_when_fraction_is_zero(tok: Tokenizer, corpus: Path) -> None:
     with pytest.raises(UserError, match="validation_fraction is 0"):
-        build_dataloader(tok, spec_for(corpus, validation_fraction=0.0), 0, 1, "validation")
+        build_dataloader(tok, spec_for(corpus, validation_fraction=0.0), 0, 1, split="validation")
 
 
 def test_hold_out_rule_is_pinned() -> None:
@@ -441,7 +453,7 @@ def test_hold_out_rule_is_pinned() -> None:
 def one_pass(tok: Tokenizer, path: Path, **overrides) -> torch.Tensor:
     fields = dict(validation_fraction=0.0, infinite=False, local_batch_size=1)
     spec = spec_for(path, **{**fields, **overrides})
-    return stacked(list(build_dataloader(tok, spec, 0, 1, "train")))
+    return stacked(list(build_dataloader(tok, spec, 0, 1, split="train")))
 
 
 def test_jsonl_json_parquet_and_txt_give_the_same_stream(
@@ -506,17 +518,17 @@ def test_folder_is_read_recursively_in_sorted_order(tok: Tokenizer, tmp_path: Pa
 def test_bad_dataset_path_is_a_user_error(tok, tmp_path: Path, setup, message: str) -> None:
     path = setup(tmp_path)
     with pytest.raises(UserError, match=message) as info:
-        build_dataloader(tok, spec_for(path), 0, 1, "train")
+        build_dataloader(tok, spec_for(path), 0, 1, split="train")
     assert "\n" not in str(info.value)
 
 
 def test_missing_text_field_is_a_user_error(tok: Tokenizer, tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "d.jsonl", make_docs(3), field="content")
     with pytest.raises(UserError, match="no field 'text' \\(fields: content, id\\)"):
-        next(iter(build_dataloader(tok, spec_for(path), 0, 1, "train")))
+        next(iter(build_dataloader(tok, spec_for(path), 0, 1, split="train")))
     pq.write_table(pa.table({"body": ["a", "b"]}), tmp_path / "d.parquet")
     with pytest.raises(UserError, match="no field 'text'"):
-        build_dataloader(tok, spec_for(tmp_path / "d.parquet"), 0, 1, "train")
+        build_dataloader(tok, spec_for(tmp_path / "d.parquet"), 0, 1, split="train")
 
 
 @pytest.mark.parametrize(
@@ -529,7 +541,7 @@ def test_missing_text_field_is_a_user_error(tok: Tokenizer, tmp_path: Path) -> N
 def test_unreadable_file_is_a_user_error(tok: Tokenizer, tmp_path: Path, name, content) -> None:
     (tmp_path / name).write_bytes(content)
     with pytest.raises(UserError, match=f"dataset_path=.*{name}: cannot read the data") as info:
-        next(iter(build_dataloader(tok, spec_for(tmp_path / name), 0, 1, "train")))
+        next(iter(build_dataloader(tok, spec_for(tmp_path / name), 0, 1, split="train")))
     assert "\n" not in str(info.value)
 
 
@@ -537,7 +549,9 @@ def test_empty_corpus_is_a_user_error(tok: Tokenizer, tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "d.jsonl", ["", "  \n", ""])
     for infinite in (True, False):
         with pytest.raises(UserError, match="train split has no text"):
-            next(iter(build_dataloader(tok, spec_for(path, infinite=infinite), 0, 1, "train")))
+            next(
+                iter(build_dataloader(tok, spec_for(path, infinite=infinite), 0, 1, split="train"))
+            )
 
 
 def test_bad_spec_values_are_user_errors() -> None:
@@ -550,7 +564,7 @@ def test_bad_spec_values_are_user_errors() -> None:
 def test_hub_dataset_offline_fails_fast_in_one_line(tok: Tokenizer) -> None:
     started = time.perf_counter()
     with pytest.raises(UserError, match="Hugging Face dataset 'no-such-org/no-such-set'") as info:
-        build_dataloader(tok, DataSpec(dataset="no-such-org/no-such-set"), 0, 1, "train")
+        build_dataloader(tok, DataSpec(dataset="no-such-org/no-such-set"), 0, 1, split="train")
     assert time.perf_counter() - started < 5
     assert "\n" not in str(info.value)
 
@@ -560,15 +574,17 @@ def test_saved_state_does_not_grow_with_the_data_parallel_degree(tok: Tokenizer,
     one process resumes exactly; a format-1 state (position after the rounds read, plus the
     unused tokens) still loads."""
     one = spec_for(corpus, seq_len=16, local_batch_size=128)
-    reference = stacked(take(build_dataloader(tok, one, 0, 1, "train"), 8))
-    wide = build_dataloader(tok, spec_for(corpus, seq_len=16, local_batch_size=2), 0, 64, "train")
+    reference = stacked(take(build_dataloader(tok, one, 0, 1, split="train"), 8))
+    wide = build_dataloader(
+        tok, spec_for(corpus, seq_len=16, local_batch_size=2), 0, 64, split="train"
+    )
     take(wide, 3)
     state = wide.state_dict()
     assert state["format"] == 2 and "tokens" not in state and len(json.dumps(state)) < 1000
     assert torch.equal(stacked(continue_from(state, tok, one, 0, 1, 5)), reference[3 * 128 :])
 
     # What an older titanlite saved at the same point.
-    older = build_dataloader(tok, one, 0, 1, "train")
+    older = build_dataloader(tok, one, 0, 1, split="train")
     take(older, 3)
     legacy = {**older.state_dict(), "format": 1, "tokens": older._tokens.tolist()}
     position = older._position
@@ -578,7 +594,7 @@ def test_saved_state_does_not_grow_with_the_data_parallel_degree(tok: Tokenizer,
         dataset_state=json.dumps(position.dataset_state) if position.dataset_state else "",
     )  # fmt: skip
     del legacy["skip"]
-    resumed = build_dataloader(tok, one, 0, 1, "train")
+    resumed = build_dataloader(tok, one, 0, 1, split="train")
     resumed.load_state_dict(legacy)
     assert resumed.state_dict()["format"] == 1  # its tokens cannot be read again: kept
     assert torch.equal(stacked(take(resumed, 1)), reference[3 * 128 : 4 * 128])
@@ -596,42 +612,42 @@ def test_split_by_rank_reads_only_the_ranks_own_files(tok: Tokenizer, corpus: Pa
     spec = spec_for(corpus, split_by_rank=True, local_batch_size=2)
     per_rank_docs, read = [], []
     for rank in range(4):
-        loader = build_dataloader(tok, spec, rank, 4, "train")
+        loader = build_dataloader(tok, spec, rank, 4, split="train")
         batches = take(loader, 6)
         per_rank_docs.append(doc_ids(tok, stacked(batches)))
         read.append(loader._tokens_read)
     for a in range(4):
         assert per_rank_docs[a] and all(d % 4 == a for d in per_rank_docs[a]), per_rank_docs
-    whole = build_dataloader(tok, spec_for(corpus, local_batch_size=8), 0, 4, "train")
+    whole = build_dataloader(tok, spec_for(corpus, local_batch_size=8), 0, 4, split="train")
     take(whole, 6)
     assert max(read) < 0.5 * whole._tokens_read, (read, whole._tokens_read)
 
     # Exact resume of rank 2 of 4, through a checkpoint-like round trip and an epoch change.
-    loader = build_dataloader(tok, spec, 2, 4, "train")
+    loader = build_dataloader(tok, spec, 2, 4, split="train")
     reference = take(loader, 40)
     assert loader._position.epoch >= 1  # 40 batches cross the rank's epoch (10 files)
-    first = build_dataloader(tok, spec, 2, 4, "train")
+    first = build_dataloader(tok, spec, 2, 4, split="train")
     take(first, 7)
     state = first.state_dict()
     assert state["split_by_rank"] == 4 and set(state["ranks"]) == {"dp2"}
     assert state["ranks"]["dp2"].dtype == torch.uint8 and state["ranks"]["dp2"].numel() < 4000
-    resumed = build_dataloader(tok, spec, 2, 4, "train")
+    resumed = build_dataloader(tok, spec, 2, 4, split="train")
     resumed.load_state_dict(state)
     assert torch.equal(stacked(take(resumed, 33)), stacked(reference[7:]))
 
     for other, message in (
-        (build_dataloader(tok, spec, 1, 2, "train"), "saved per rank by 4 .* this run has 2"),
-        (build_dataloader(tok, spec_for(corpus), 0, 4, "train"), "resume with split_by_rank"),
+        (build_dataloader(tok, spec, 1, 2, split="train"), "saved per rank by 4 .* this run has 2"),
+        (build_dataloader(tok, spec_for(corpus), 0, 4, split="train"), "resume with split_by_rank"),
     ):
         with pytest.raises(UserError, match=message) as info:
             other.load_state_dict(state)
         assert "\n" not in str(info.value)
     with pytest.raises(UserError, match="global stream; training.split_by_rank cannot"):
-        build_dataloader(tok, spec, 0, 4, "train").load_state_dict(whole.state_dict())
+        build_dataloader(tok, spec, 0, 4, split="train").load_state_dict(whole.state_dict())
     with pytest.raises(UserError, match="has 40 files, fewer than the 64 data-parallel ranks"):
-        build_dataloader(tok, spec, 0, 64, "train")
+        build_dataloader(tok, spec, 0, 64, split="train")
     # Validation stays one global pass over the held-out documents of every file.
-    v_split = stacked(take(build_dataloader(tok, spec, 1, 4, "validation"), 2))
+    v_split = stacked(take(build_dataloader(tok, spec, 1, 4, split="validation"), 2))
     v_global = stacked(take(build_dataloader(tok, spec_for(corpus, local_batch_size=2), 1, 4,
-                                             "validation"), 2))  # fmt: skip
+                                             split="validation"), 2))  # fmt: skip
     assert torch.equal(v_split, v_global)

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from test_model import build, tiny_args
 
-from titanlite.models.attention import document_attention, document_ids, document_positions
+from titanlite.data.documents import document_ids, document_positions
+from titanlite.models.attention import document_attention
 
 BOS, EOS = 1, 2
 
@@ -45,7 +46,7 @@ def test_block_causal_kernel_matches_an_explicit_mask(masked: bool) -> None:
     grad = torch.randn(b, h, s, d, dtype=torch.float64)
     want = block_causal_reference(q, k, v, documents)
     want_grads = torch.autograd.grad(want, (q, k, v), grad)
-    got = document_attention(q, k, v, documents, [(0, s)], masked)
+    got = document_attention(q, k, v, documents, chunks=[(0, s)], masked=masked)
     got_grads = torch.autograd.grad(got, (q, k, v), grad)
     assert (got - want).abs().max() < 1e-12
     for a, b_ in zip(got_grads, want_grads, strict=True):

@@ -19,8 +19,8 @@ from titanlite.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
 from titanlite.errors import EXIT_USER_ERROR
 from titanlite.generate import generate, next_token
 from titanlite.models import get
+from titanlite.models.decoder import Decoder as Transformer
 from titanlite.models.init import init_parameters
-from titanlite.models.layers import Decoder as Transformer
 from titanlite.models.llama.args import LlamaArgs as ModelArgs
 
 REPO = Path(__file__).resolve().parent.parent

@@ -21,8 +21,8 @@ from titanlite.errors import EXIT_USER_ERROR, UserError
 from titanlite.interop import checkpoint_model
 from titanlite.interop.hf import parse_size
 from titanlite.models import get
+from titanlite.models.decoder import Decoder as Transformer
 from titanlite.models.init import init_parameters
-from titanlite.models.layers import Decoder as Transformer
 from titanlite.models.layers import apply_rope, rope_tables
 from titanlite.models.llama.args import FLAVORS
 from titanlite.models.llama.args import LlamaArgs as ModelArgs

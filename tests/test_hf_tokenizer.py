@@ -105,8 +105,18 @@ def test_bad_tokenizer_files_are_one_line_errors(bpe: Path, tmp_path: Path) -> N
     wrong = tmp_path / "wrong"
     shutil.copytree(bpe, wrong)
     config = json.loads((wrong / "tokenizer_config.json").read_text())
-    (wrong / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|nope|>"}))
-    with pytest.raises(UserError, match=r"eos_token '<\|nope\|>' is not a token"):
+    # Two files that disagree on what an id is: not one tokenizer (transformers would load it,
+    # giving the config's token a new id, and train on a vocabulary neither file describes).
+    clash = {"added_tokens_decoder": {"7": {"content": "<|eot_id|>", "special": True}}}
+    (wrong / "tokenizer_config.json").write_text(json.dumps({**config, **clash}))
+    with pytest.raises(UserError) as info:
+        load_tokenizer(wrong)
+    message = str(info.value)
+    assert message.startswith(f"{wrong / 'tokenizer_config.json'}: added_tokens_decoder['7']")
+    assert "'<|eot_id|>' but id 7 of" in message and "\n" not in message
+    bad_id = {"added_tokens_decoder": {"eot": {"content": "<|eot_id|>"}}}
+    (wrong / "tokenizer_config.json").write_text(json.dumps({**config, **bad_id}))
+    with pytest.raises(UserError, match=r"added_tokens_decoder\['eot'\]: 'eot' is not a token id"):
         load_tokenizer(wrong)
     (wrong / "tokenizer_config.json").write_text("{not json")
     with pytest.raises(UserError, match="tokenizer_config.json is not valid JSON"):
@@ -129,6 +139,153 @@ def test_special_tokens_from_the_config_or_their_usual_names(bpe: Path, tmp_path
     assert tok2.encode("state")[0] != 1
     # What a loader state is checked against: content and specials, not the path.
     assert tok.fingerprint == load_tokenizer(bpe).fingerprint != tok2.fingerprint
+
+
+def test_a_tokenizer_that_gains_no_ids_keeps_its_fingerprint(bpe: Path) -> None:
+    """Token folders and loader states store the fingerprint: for every tokenizer that loaded
+    before config-named tokens got ids, it is still sha256(tokenizer.json + its specials)."""
+    import hashlib
+
+    tok = load_tokenizer(bpe)
+    digest = hashlib.sha256((bpe / "tokenizer.json").read_bytes())
+    specials = {"bos": "<|begin_of_text|>", "eos": "<|end_of_text|>", "pad": "<|pad|>"}
+    assert {k: tok.token_text(getattr(tok, f"{k}_id")) for k in specials} == specials
+    digest.update(json.dumps(specials, sort_keys=True).encode())
+    assert tok.fingerprint == digest.hexdigest()[:16]
+
+
+def special(content: str, **flags: bool) -> dict:
+    """An added_tokens_decoder entry as transformers writes one."""
+    base = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
+    return {"content": content, **base, "special": True, **flags}
+
+
+# Laid out like TorchTitan's tests/assets/tokenizer: tokenizer_config.json names a BOS and an
+# EOS, at ids past the vocabulary, and a pad it never lists; tokenizer.json has none of them.
+TITAN_CONFIG = {
+    "added_tokens_decoder": {
+        "128000": special("<|begin_of_text|>"),
+        "128001": special("<|end_of_text|>"),
+    },
+    "bos_token": "<|begin_of_text|>",
+    "eos_token": "<|end_of_text|>",
+    "pad_token": "<|pad|>",
+    "tokenizer_class": "PreTrainedTokenizerFast",
+}
+# Every way a config names tokens, out of transformers' order: the decoder by falling ids and
+# one entry not special, the named tokens (one already held), a model-specific one, extras.
+MIXED_CONFIG = {
+    "eos_token": "<|end_of_text|>",
+    "mask_token": "<mask>",
+    "pad_token": "<|pad|>",
+    "added_tokens_decoder": {
+        "9001": special("<|end_of_text|>"),
+        "9000": special("<|begin_of_text|>"),
+        "9002": special("<|tool|>", special=False, normalized=True),
+    },
+    "image_token": "<|image|>",
+    "unk_token": "<|unk|>",
+    "bos_token": "<|begin_of_text|>",
+    "sep_token": "<|endoftext|>",
+    "additional_special_tokens": ["<|im_end|>", "<|endoftext|>"],
+    "tokenizer_class": "PreTrainedTokenizerFast",
+}
+SPECIAL_TEXT = "<|begin_of_text|>the state<|pad|> of the<|tool|> union<|image|>.<|end_of_text|>"
+# config -> (the tokens given new ids, in id order; bos, eos, pad, unk as those tokens;
+# SPECIAL_TEXT decoded)
+CONFIG_CASES = {
+    "torchtitan": (
+        TITAN_CONFIG,
+        ["<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"],
+        ("<|begin_of_text|>", "<|end_of_text|>", "<|pad|>", None),
+        "the state of the<|tool|> union<|image|>.",  # no tokens here: plain text
+    ),
+    "mixed": (
+        MIXED_CONFIG,
+        [
+            "<|begin_of_text|>",
+            "<|end_of_text|>",
+            "<|tool|>",
+            "<|unk|>",
+            "<|pad|>",
+            "<mask>",
+            "<|image|>",
+            "<|im_end|>",
+        ],  # fmt: skip
+        ("<|begin_of_text|>", "<|end_of_text|>", "<|pad|>", "<|unk|>"),
+        "the state of the<|tool|> union.",  # <|tool|> is a token, but not a special one
+    ),
+}
+
+
+def foreign_folder(folder: Path, config: dict) -> int:
+    """A byte-level BPE tokenizer.json written by the tokenizers library, holding two special
+    tokens of its own (as TorchTitan's does), and ``config`` as its tokenizer_config.json; the
+    size of the tokenizer.json's vocabulary."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    raw = RawTokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=alphabet, show_progress=False)
+    raw.train_from_iterator([" ".join(TEXTS)] * 4 + ["the state of the union"] * 8, trainer)
+    raw.add_special_tokens(["<|endoftext|>", "<|im_start|>"])
+    folder.mkdir()
+    raw.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return raw.get_vocab_size(with_added_tokens=True)
+
+
+@pytest.mark.parametrize("case", list(CONFIG_CASES))
+def test_config_tokens_the_vocabulary_lacks_get_the_ids_transformers_gives(
+    case: str, tmp_path: Path
+) -> None:
+    """A folder like TorchTitan's test tokenizer loads: the tokens its config names and its
+    tokenizer.json lacks are appended after the vocabulary in transformers' order, counted in
+    vocab_size (the embedding rows), encoded as one token and dropped by decode when special."""
+    config, appended, specials, decoded = CONFIG_CASES[case]
+    folder = tmp_path / case
+    size = foreign_folder(folder, config)
+    tok = load_tokenizer(folder)
+    assert tok.vocab_size == size + len(appended)
+    assert [tok.token_text(size + i) for i in range(len(appended))] == appended
+    ids = {name: size + i for i, name in enumerate(appended)}
+    expected = tuple(-1 if name is None else ids[name] for name in specials)
+    assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.unk_id) == expected
+    encoded = tok.encode(SPECIAL_TEXT)
+    assert encoded[:2] == [tok.bos_id, tok.bos_id] and encoded[-2:] == [tok.eos_id, tok.eos_id]
+    assert tok.pad_id in encoded and max(encoded) < tok.vocab_size
+    assert tok.decode(encoded) == decoded
+
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.AutoTokenizer.from_pretrained(folder)
+    assert len(theirs) == tok.vocab_size
+    their_specials = (theirs.bos_token_id, theirs.eos_token_id, theirs.pad_token_id)
+    assert their_specials == (tok.bos_id, tok.eos_id, tok.pad_id)
+    assert (theirs.unk_token_id if theirs.unk_token_id is not None else -1) == tok.unk_id
+    every_id = range(tok.vocab_size)
+    assert theirs.convert_ids_to_tokens(list(every_id)) == [tok.token_text(i) for i in every_id]
+    assert {i for i, t in theirs.added_tokens_decoder.items() if t.special} == {
+        i for i in range(size - 2, tok.vocab_size) if tok.decode([i]) == ""
+    }  # the special ones, which decode drops
+    for text in [SPECIAL_TEXT, *TEXTS]:
+        body = tok.encode(text, bos=False, eos=False)
+        assert theirs(text, add_special_tokens=False)["input_ids"] == body, text
+        assert theirs.decode(body, skip_special_tokens=True) == tok.decode(body), text
+
+
+def test_appended_tokens_change_the_fingerprint(tmp_path: Path) -> None:
+    """Two folders with one tokenizer.json: the one whose config adds tokens is another
+    tokenizer for token folders and loader states."""
+    size = foreign_folder(tmp_path / "titan", TITAN_CONFIG)
+    plain = tmp_path / "plain"
+    shutil.copytree(tmp_path / "titan", plain)
+    (plain / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    ours, theirs = load_tokenizer(plain), load_tokenizer(tmp_path / "titan")
+    assert ours.vocab_size == size and ours.eos_id == size - 2
+    assert ours.fingerprint != theirs.fingerprint
 
 
 def large_vocab_tokenizer(folder: Path, words: int = 70_000) -> Path:
@@ -156,7 +313,7 @@ def test_ids_past_65535_survive_encoding_and_packing(tmp_path: Path) -> None:
     for i in range(8):
         (docs / f"{i}.txt").write_text(" ".join(top[i:] + [f"w{i}"] * 5))
     spec = DataSpec(dataset_path=str(docs), seq_len=16, local_batch_size=2, validation_fraction=0)
-    inputs, labels = next(iter(build_dataloader(tok, spec, 0, 1, "train")))
+    inputs, labels = next(iter(build_dataloader(tok, spec, 0, 1, split="train")))
     assert inputs.dtype == torch.int64 and int(inputs.max()) > 65_535
     assert set(inputs.flatten().tolist()) <= {1, 2, *range(3, 13), *range(69_993, 70_003)}
 

@@ -29,7 +29,9 @@ WQ = "layers.0.attention.wq.weight"
 
 def block(shape, offset, global_shape, *, rule=RULE, seed=0, name="w", dtype=torch.float32):
     out = torch.empty(shape, dtype=dtype)
-    return fill_local_(out, rule, seed, name, tuple(global_shape), tuple(offset))
+    return fill_local_(
+        out, rule, seed, name, global_shape=tuple(global_shape), global_offset=tuple(offset)
+    )
 
 
 def _splitmix_reference(key: int, i: int) -> float:
@@ -187,11 +189,11 @@ def test_constant_rule() -> None:
 
 def test_rejects_bad_blocks() -> None:
     with pytest.raises(ValueError, match="contiguous"):
-        fill_local_(torch.empty(4, 6).t(), RULE, 0, "w", (6, 4), (0, 0))
+        fill_local_(torch.empty(4, 6).t(), RULE, 0, "w", global_shape=(6, 4), global_offset=(0, 0))
     with pytest.raises(ValueError, match="outside"):
-        fill_local_(torch.empty(4, 6), RULE, 0, "w", (8, 6), (5, 0))
+        fill_local_(torch.empty(4, 6), RULE, 0, "w", global_shape=(8, 6), global_offset=(5, 0))
     with pytest.raises(ValueError, match="does not match"):
-        fill_local_(torch.empty(4, 6), RULE, 0, "w", (24,), (0,))
+        fill_local_(torch.empty(4, 6), RULE, 0, "w", global_shape=(24,), global_offset=(0,))
 
 
 def test_does_not_import_torch_distributed() -> None:

@@ -11,6 +11,9 @@ import pytest
 from conftest import REPO
 
 SCRIPT = REPO / "scripts" / "loss_compare.py"
+sys.path.insert(0, str(REPO / "scripts"))
+import plot_metrics  # noqa: E402
+
 LOSSES = [8.8, 8.5, 8.1, 7.6, 7.2]
 GRAD_NORMS = [0.9, 0.8, 0.7, 0.75, 0.6]
 
@@ -135,3 +138,32 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     result = compare(a, b, "--rtol", "0.1", "--plot", out)
     assert result.returncode == 0, result.stderr
     assert out.read_bytes().startswith(b"\x89PNG") and out.stat().st_size > 1000
+
+
+def test_resumed_run_is_read_as_plot_metrics_reads_it(tmp_path: Path) -> None:
+    # Steps 1-10 ran and crashed; the run resumed from its step-5 checkpoint (a "resume"
+    # record at step 5) and re-did steps 6-8 on another path. What continues is 1-5 as first
+    # logged and 6-8 as re-done; 9 and 10 were undone. The resume record is not a step.
+    def train(step: int, loss: float) -> str:
+        return json.dumps({"step": step, "loss": loss, "grad_norm": 0.5, "lr": 1e-3})
+
+    def write(folder: Path, lines: list[str]) -> Path:
+        folder.mkdir()
+        (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+        return folder
+
+    lines = [train(s, 10 - s / 10) for s in range(1, 11)]
+    lines.append(json.dumps({"step": 5, "kind": "resume", "time": 1.8e9}))
+    lines += [train(s, 5 - s / 10) for s in range(6, 9)]
+    resumed = write(tmp_path / "resumed", lines)
+    expected = {s: 10 - s / 10 for s in range(1, 6)} | {s: 5 - s / 10 for s in range(6, 9)}
+    baseline = write(tmp_path / "baseline", [train(s, loss) for s, loss in expected.items()])
+
+    result = compare(baseline, resumed)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""  # no "steps missing" for the undone steps 9 and 10
+    rows = [line.split() for line in result.stdout.splitlines()]
+    table = {int(r[0]): float(r[2]) for r in rows if r and r[0].isdigit()}  # step -> B's loss
+    assert table == expected
+    plotted = plot_metrics.load_run(resumed).series
+    assert dict(zip(map(int, plotted["step"]), plotted["loss"], strict=True)) == table

@@ -6,7 +6,6 @@ import json
 import logging
 import math
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from titanlite.metrics import (
     peak_flops,
     wandb_mode,
 )
-from titanlite.run_info import StepLogger
+from titanlite.run_info import StepLogger, Throughput
 
 
 @pytest.mark.parametrize(
@@ -96,10 +95,17 @@ def test_measure_matmul_flops_is_plausible() -> None:
     assert 1e7 < flops < 1e15  # between a very slow core and far beyond any CPU
 
 
+def use_xdg_cache(monkeypatch: pytest.MonkeyPatch, folder: Path) -> None:
+    """The cache under $XDG_CACHE_HOME, where it goes without TITANLITE_CACHE_DIR (which the
+    suite sets for every test: tests/conftest.py)."""
+    monkeypatch.delenv("TITANLITE_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(folder))
+
+
 def test_peak_flops_is_measured_once_then_cached(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    use_xdg_cache(monkeypatch, tmp_path)
     calls = []
 
     def small_measure(device: torch.device, dtype: torch.dtype) -> float:
@@ -154,12 +160,8 @@ def test_an_mfu_above_100_measures_the_peak_again_once(
     peak_flops(cpu, torch.float32)
     flops, how = peak_flops(cpu, torch.float32)  # the stale figure, from the cache
     assert flops == 1.0e6 and "cached" in how
-    # Only what the step logger reads of the trainer for MFU.
-    trainer = SimpleNamespace(
-        peak_flops=flops, peak_source=how, flops_per_token=1000.0, device=cpu,
-        train_dtype=torch.float32,
-    )  # fmt: skip
-    step_logger = StepLogger(trainer)  # type: ignore[arg-type]
+    trainer = Throughput(1000.0, cpu, torch.float32, flops, how)
+    step_logger = StepLogger(trainer, MetricsLogger(tmp_path, enabled=False), total_steps=10)
     assert step_logger._checked_mfu(100.0) == pytest.approx(10.0)  # 1e5 of 1e6: nothing to do
     with caplog.at_level(logging.WARNING):
         mfu = step_logger._checked_mfu(2000.0)  # 2e6 FLOP/s against 1e6: 200%
@@ -177,7 +179,7 @@ def test_an_mfu_above_100_measures_the_peak_again_once(
 def test_peak_flops_survives_a_corrupt_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    use_xdg_cache(monkeypatch, tmp_path)
     monkeypatch.setattr(metrics, "measure_matmul_flops", lambda device, dtype: 1.5e9)
     cache = tmp_path / "titanlite" / "peak_flops.json"
     cache.parent.mkdir(parents=True)
@@ -191,7 +193,7 @@ def test_peak_flops_unwritable_cache_still_returns(
 ) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")  # a file where the cache folder would go
-    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
+    use_xdg_cache(monkeypatch, blocker)
     monkeypatch.setattr(metrics, "measure_matmul_flops", lambda device, dtype: 2.5e9)
     flops, how = peak_flops(torch.device("cpu"), torch.float32)
     assert flops == 2.5e9 and how.startswith("measured ")

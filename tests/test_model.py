@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from titanlite.config import load_config
 from titanlite.models import get
+from titanlite.models.decoder import Decoder as Transformer
 from titanlite.models.init import full_value, init_parameters
-from titanlite.models.layers import Decoder as Transformer
 from titanlite.models.layers import apply_rope, count_params, rope_tables
 from titanlite.models.llama.args import FLAVORS
 from titanlite.models.llama.args import LlamaArgs as ModelArgs
@@ -379,7 +379,7 @@ def test_a_few_optimizer_steps_reduce_the_loss() -> None:
     torch.manual_seed(0)
     model = build(tiny_args())
     cfg = load_config(["--optimizer.lr=3e-3", "--optimizer.weight_decay=0.0"])
-    optimizer = build_optimizer(model, cfg, torch.device("cpu"))
+    optimizer = build_optimizer(model, cfg.optimizer, torch.device("cpu"))[0]
     tokens = torch.randint(0, 97, (4, 17))
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     losses = []

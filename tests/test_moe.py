@@ -15,10 +15,13 @@ import torch
 import torch.nn.functional as F
 
 from titanlite.models import get
+from titanlite.models.decoder import Decoder
 from titanlite.models.init import init_parameters
-from titanlite.models.layers import Decoder, count_params
-from titanlite.models.moe import MoE, MoETracker, _padded_bmm, grouped_mm
+from titanlite.models.layers import count_params
+from titanlite.models.moe import MoE, grouped_mm
+from titanlite.models.moe.experts import _padded_bmm
 from titanlite.models.qwen3_moe.args import FLAVORS, Qwen3MoeArgs
+from titanlite.moe_tracker import MoETracker
 
 REPO = Path(__file__).resolve().parent.parent
 SPEC = get("qwen3_moe")

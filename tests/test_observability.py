@@ -22,7 +22,7 @@ from titanlite.profiling import Profiler
 def _profile(tmp_path: Path, first_step: int, last_step: int, *args: str) -> list[str]:
     """Drive a Profiler as the training loop does; the trace folders it wrote."""
     cfg = load_config(["--profiling.enable_profiling", *args])
-    profiler = Profiler(cfg, tmp_path, rank=0, first_step=first_step)
+    profiler = Profiler(cfg.profiling, tmp_path, rank=0, first_step=first_step)
     a = torch.randn(64, 64)
     for _ in range(first_step, last_step + 1):
         a = torch.tanh(a @ a)
@@ -55,7 +55,7 @@ def test_memory_snapshot_without_cuda_warns_and_writes_nothing(
         pytest.skip("checks the CPU behaviour")
     cfg = load_config(["--profiling.enable_memory_snapshot", "--profiling.profile_freq", "2"])
     with caplog.at_level(logging.WARNING):
-        profiler = Profiler(cfg, tmp_path, rank=0, first_step=1)
+        profiler = Profiler(cfg.profiling, tmp_path, rank=0, first_step=1)
         for _ in range(4):
             profiler.step()
         profiler.close()

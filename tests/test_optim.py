@@ -18,8 +18,12 @@ def schedule(*argv: str) -> JobConfig:
     return load_config(list(argv))
 
 
+def factor(step: int, cfg: JobConfig) -> float:
+    return lr_factor(step, cfg.lr_scheduler, cfg.training.steps)
+
+
 def factors(cfg: JobConfig) -> list[float]:
-    return [lr_factor(s, cfg) for s in range(1, cfg.training.steps + 1)]
+    return [factor(s, cfg) for s in range(1, cfg.training.steps + 1)]
 
 
 # --- lr_factor --------------------------------------------------------------------------------
@@ -27,7 +31,7 @@ def factors(cfg: JobConfig) -> list[float]:
 
 def test_warmup_ramps_linearly_from_near_zero() -> None:
     cfg = schedule("--training.steps=100", "--lr_scheduler.warmup_steps=10")
-    warm = [lr_factor(s, cfg) for s in range(1, 11)]
+    warm = [factor(s, cfg) for s in range(1, 11)]
     assert warm[0] == pytest.approx(1 / 11)
     steps = [b - a for a, b in pairwise(warm)]
     assert steps == pytest.approx([1 / 11] * 9)
@@ -86,19 +90,19 @@ def test_decay_shapes_at_known_points(decay_type: str, curve) -> None:  # noqa: 
         f"--lr_scheduler.decay_type={decay_type}",
         "--lr_scheduler.min_lr_factor=0.2",
     )
-    assert lr_factor(60, cfg) == 1.0
+    assert factor(60, cfg) == 1.0
     for k, progress in [(15, 0.25), (30, 0.5), (45, 0.75), (60, 1.0)]:
-        assert lr_factor(60 + k, cfg) == pytest.approx(0.2 + 0.8 * curve(progress)), k
+        assert factor(60 + k, cfg) == pytest.approx(0.2 + 0.8 * curve(progress)), k
     expected_mid = {"linear": 0.6, "sqrt": 0.2 + 0.8 * (1 - math.sqrt(0.5)), "cosine": 0.6}
-    assert lr_factor(90, cfg) == pytest.approx(expected_mid[decay_type])
+    assert factor(90, cfg) == pytest.approx(expected_mid[decay_type])
 
 
 def test_cosine_and_linear_differ_off_the_midpoint() -> None:
     argv = ["--training.steps=100", "--lr_scheduler.warmup_steps=0"]  # decay over all steps
     linear = schedule(*argv, "--lr_scheduler.decay_type=linear")
     cosine = schedule(*argv, "--lr_scheduler.decay_type=cosine")
-    assert lr_factor(25, cosine) > lr_factor(25, linear)  # cosine stays high early
-    assert lr_factor(75, cosine) < lr_factor(75, linear)  # and drops faster late
+    assert factor(25, cosine) > factor(25, linear)  # cosine stays high early
+    assert factor(75, cosine) < factor(75, linear)  # and drops faster late
 
 
 def test_decay_ratio_zero_means_no_decay() -> None:
@@ -142,7 +146,7 @@ def test_lambda_lr_matches_lr_factor_over_a_run() -> None:
     )
     param = nn.Parameter(torch.zeros(2, 2))
     optimizer = torch.optim.AdamW([param], lr=cfg.optimizer.lr)
-    scheduler = build_lr_scheduler(optimizer, cfg)
+    scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
     used = []
     for _ in range(cfg.training.steps):
         used.append(optimizer.param_groups[0]["lr"])  # the lr optimizer step s runs with
@@ -157,16 +161,16 @@ def test_scheduler_state_resumes_the_schedule() -> None:
     cfg = schedule("--training.steps=20", "--lr_scheduler.warmup_steps=5")
     param = nn.Parameter(torch.zeros(1))
     opt = torch.optim.AdamW([param], lr=1.0)
-    sched = build_lr_scheduler(opt, cfg)
+    sched = build_lr_scheduler(opt, cfg.lr_scheduler, cfg.training.steps)
     for _ in range(7):
         opt.step()
         sched.step()
     resumed_opt = torch.optim.AdamW([nn.Parameter(torch.zeros(1))], lr=1.0)
-    resumed = build_lr_scheduler(resumed_opt, cfg)
+    resumed = build_lr_scheduler(resumed_opt, cfg.lr_scheduler, cfg.training.steps)
     resumed.load_state_dict(sched.state_dict())
     resumed_opt.step()
     resumed.step()
-    assert resumed_opt.param_groups[0]["lr"] == pytest.approx(lr_factor(9, cfg))
+    assert resumed_opt.param_groups[0]["lr"] == pytest.approx(factor(9, cfg))
 
 
 # --- optimizer --------------------------------------------------------------------------------
@@ -193,7 +197,7 @@ def test_adamw_groups_no_decay_on_one_dimensional_params() -> None:
             "--optimizer.eps=1e-6",
         ]
     )
-    opt = build_optimizer(model, cfg, torch.device("cpu"))
+    opt = build_optimizer(model, cfg.optimizer, torch.device("cpu"))[0]
     assert isinstance(opt, torch.optim.AdamW)
     decay, no_decay = opt.param_groups
     ids = lambda group: {id(p) for p in group["params"]}  # noqa: E731
@@ -210,7 +214,7 @@ def test_adamw_groups_no_decay_on_one_dimensional_params() -> None:
 @pytest.mark.parametrize("impl", ["foreach", "for-loop"])
 def test_implementation_choice(impl: str) -> None:
     cfg = load_config([f"--optimizer.implementation={impl}"])
-    group = build_optimizer(Tiny(), cfg, torch.device("cpu")).param_groups[0]
+    group = build_optimizer(Tiny(), cfg.optimizer, torch.device("cpu"))[0].param_groups[0]
     assert group["foreach"] is (impl == "foreach")
     assert not group["fused"]
 
@@ -218,7 +222,7 @@ def test_implementation_choice(impl: str) -> None:
 def test_weight_decay_shrinks_matrices_but_not_norms() -> None:
     model = Tiny()
     cfg = load_config(["--optimizer.lr=0.1", "--optimizer.weight_decay=0.5"])
-    opt = build_optimizer(model, cfg, torch.device("cpu"))
+    opt = build_optimizer(model, cfg.optimizer, torch.device("cpu"))[0]
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     for p in model.parameters():
         if p.requires_grad:

@@ -26,7 +26,7 @@ def plan_of(pp: int, schedule: str, n_layers: int, local_batch: int = 4, **pipel
     p.pipeline_parallel_degree, p.pipeline_parallel_schedule = pp, schedule
     for key, value in pipeline.items():
         setattr(p, f"pipeline_parallel_{key}", value)
-    return pipeline_plan(cfg, resolve_degrees(cfg, pp), n_layers)
+    return pipeline_plan(cfg.parallelism, resolve_degrees(cfg, pp), n_layers, local_batch)
 
 
 def test_single_stage_schedules_give_each_rank_one_stage() -> None:

@@ -33,8 +33,11 @@ def sum_of_ranks(rank: int, world: int, scale: float = 1.0) -> dict:
         "sum": t.item(),
         "pid": os.getpid(),
         "env": [env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")],
-        "offline": [env.get(k) for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "WANDB_MODE")],
-        "cache": env.get("TITANLITE_CACHE_DIR"),
+        "offline": [
+            env.get(k)
+            for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "WANDB_MODE")
+        ],
+        "caches": [env.get("TITANLITE_CACHE_DIR"), env.get("HF_HOME")],
         "threads": torch.get_num_threads(),
         "group": (dist.get_rank(), dist.get_world_size(), dist.get_backend()),
     }
@@ -127,8 +130,10 @@ def test_results_come_back_per_rank_and_all_reduce_works() -> None:
     assert [r["rank"] for r in results] == [0, 1]
     assert [r["sum"] for r in results] == [2.0, 2.0]
     assert [r["env"] for r in results] == [["0", "2", "0", "2"], ["1", "2", "1", "2"]]
-    assert all(r["offline"] == ["1", "1", "offline"] for r in results)
-    assert all(r["cache"] == str(TEST_CACHE) and r["threads"] == 1 for r in results)
+    # Whatever the caller's environment says (conftest pins these for every test).
+    assert all(r["offline"] == ["1", "1", "1", "offline"] for r in results)
+    caches = [str(TEST_CACHE), str(TEST_CACHE / "huggingface")]
+    assert all(r["caches"] == caches and r["threads"] == 1 for r in results)
     assert [r["group"] for r in results] == [(0, 2, "gloo"), (1, 2, "gloo")]
     assert pool.run("test_pool:sum_of_ranks")[1]["sum"] == 1.0  # "module:function" works too
 

@@ -15,8 +15,9 @@ import torch.distributed.checkpoint as dcp
 from titanlite.data.tokenizer import DEFAULT_TOKENIZER_PATH
 from titanlite.interop.checkpoint_model import load_checkpoint_model
 from titanlite.models import get
+from titanlite.models.decoder import Decoder
 from titanlite.models.init import init_parameters
-from titanlite.models.layers import Decoder, apply_rope_halves, count_params, rope_tables
+from titanlite.models.layers import apply_rope_halves, count_params, rope_tables
 from titanlite.models.qwen3.args import QWEN3_VOCAB, Qwen3Args
 from titanlite.models.qwen3.hf import from_hf_config, to_hf_config
 

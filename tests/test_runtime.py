@@ -29,8 +29,8 @@ LAYOUTS = {
 # The documented list (docs/performance.md, "What a step waits for"): titanlite's own calls
 # in a step that is not logged.
 TOKEN_COUNT = ("all_reduce", False, "titanlite.distributed.all_reduce")
-VOTE = ("all_reduce", True, "titanlite.trainer._start_vote")
-VOTE_READ = ("__int__", "titanlite.trainer._settle_vote")  # a CPU tensor: no device sync
+VOTE = ("all_reduce", True, "titanlite.stop_vote.start")
+VOTE_READ = ("__int__", "titanlite.stop_vote.settle")  # a CPU tensor: no device sync
 
 
 def work(tmp_path, layout: str, step: int) -> dict[str, list]:

@@ -208,7 +208,11 @@ def test_validation_pass_covers_the_held_out_tokens_once(tmp_path, tok, spec):
     pretokenize(spec, tok, out, shard_tokens=500, progress=False)
     folder = TokenFolder(out, "validation")
     loader = build_dataloader(
-        tok, DataSpec(dataset_path=str(out), seq_len=16, local_batch_size=4), 0, 1, "validation"
+        tok,
+        DataSpec(dataset_path=str(out), seq_len=16, local_batch_size=4),
+        0,
+        1,
+        split="validation",
     )
     labels = torch.cat([lab.flatten() for _, lab in loader])
     real = labels[labels != IGNORE_INDEX]

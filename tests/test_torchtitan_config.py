@@ -3,6 +3,7 @@ converter script's exit statuses and files, and the docs table (all torch-free a
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from titanlite.checks import build_model_args
 from titanlite.config import ConfigError, JobConfig, load_config
 from titanlite.config.parse import apply_toml, tomllib
 from titanlite.config.torchtitan import (
@@ -20,6 +22,7 @@ from titanlite.config.torchtitan import (
     looks_like_torchtitan,
     mapping_table_markdown,
 )
+from titanlite.models import REGISTRY
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "convert_torchtitan_config.py"
@@ -314,7 +317,7 @@ def test_without_tokenizer_the_vocabulary_follows_titanlite_default() -> None:
             "checkpoint.initial_load_in_hf_quantized",
         ),  # fmt: skip
         ('[model]\nname = "deepseek_v3"\nflavor = "16B"\n', "model.name"),
-        ('[model]\nname = "qwen3"\nflavor = "30B-A3B"\n', "model.flavor"),
+        ('[model]\nname = "qwen3"\nflavor = "72B"\n', "model.flavor"),
         ('[model]\nconverters = ["quantize.linear.float8"]\n', "model.converters"),
         ('[optimizer]\nname = "Adam"\n', "optimizer.name"),
         ('[checkpoint]\ninitial_load_path = "/ckpt/step-100"\n', "checkpoint.initial_load_path"),
@@ -326,6 +329,111 @@ def test_blocking(text: str, key: str) -> None:
     conv = converted(text)
     assert key in blocking_keys(conv)
     assert any(line.startswith(f"blocking: {key} = ") for line in conv.report_lines())
+
+
+# TorchTitan v0.2's qwen3 MoE flavors (torchtitan/models/qwen3/__init__.py): the model each
+# must become. All route softmax top-k renormalized, with no shared expert, and balance by a
+# routing bias moved 1e-3 a step (load_balance_coeff) without an auxiliary loss.
+TT_QWEN3_MOE = {
+    "debugmodel_moe": ("debugmodel", {"dim": 256, "n_layers": 8, "n_heads": 16, "n_kv_heads": 8, "head_dim": 128, "num_experts": 64, "top_k": 8, "moe_hidden_dim": 768, "rope_theta": 1e6, "tie_embeddings": False, "vocab_size": 2048}),
+    "30B-A3B": ("30B-A3B", {"dim": 2048, "n_layers": 48, "n_heads": 32, "n_kv_heads": 4, "head_dim": 128, "num_experts": 128, "top_k": 8, "moe_hidden_dim": 768, "rope_theta": 1e6, "tie_embeddings": False, "vocab_size": 151936}),
+    "235B-A22B": ("235B-A22B", {"dim": 4096, "n_layers": 94, "n_heads": 64, "n_kv_heads": 4, "head_dim": 128, "num_experts": 128, "top_k": 8, "moe_hidden_dim": 1536, "rope_theta": 5e6, "tie_embeddings": False, "vocab_size": 151936}),
+}  # fmt: skip
+TT_MOE_ROUTING = {"score_func": "softmax", "norm_topk": True, "shared_experts": 0, "norm_eps": 1e-6, "aux_loss_coef": 0.0, "bias_update_rate": 1e-3}  # fmt: skip
+
+
+@pytest.mark.parametrize("tt_flavor", list(TT_QWEN3_MOE))
+def test_qwen3_moe_flavors_convert_to_qwen3_moe_with_torchtitan_shape(tt_flavor: str) -> None:
+    flavor, shape = TT_QWEN3_MOE[tt_flavor]
+    text = f'[model]\nname = "qwen3"\nflavor = "{tt_flavor}"\nhf_assets_path = "tok"\n'
+    conv = converted(text)
+    assert conv.blocking == [] and "model.flavor" not in dropped_keys(conv)
+    model = dict(conv.config["model"])
+    assert (model.pop("name"), model.pop("flavor"), model.pop("tokenizer_path")) == (
+        "qwen3_moe",
+        flavor,
+        "tok",
+    )
+    vocab_size = model.pop("vocab_size")
+    args = REGISTRY["qwen3_moe"].make_args(flavor, vocab_size, 4096, model)
+    built = {key: getattr(args, key) for key in {**shape, **TT_MOE_ROUTING}}
+    assert built == {**shape, **TT_MOE_ROUTING}
+
+
+# Laid out like TorchTitan's qwen3_moe_debug.toml (same sections and keys, values of our own).
+TT_MOE_DEBUG = """
+[job]
+dump_folder = "./runs/tt_moe"
+description = "a small mixture of experts"
+
+[metrics]
+log_freq = 1
+enable_tensorboard = false
+save_tb_folder = "tb"
+
+[model]
+name = "qwen3"
+flavor = "debugmodel_moe"
+hf_assets_path = "./assets/debug_tokenizer"
+
+[optimizer]
+name = "AdamW"
+lr = 5e-4
+eps = 1e-8
+
+[training]
+local_batch_size = 2
+seq_len = 256
+steps = 6
+dataset = "c4_test"
+
+[parallelism]
+data_parallel_shard_degree = -1
+tensor_parallel_degree = 1
+expert_parallel_degree = 1
+expert_tensor_parallel_degree = 1
+
+[checkpoint]
+enable = false
+export_dtype = "float32"
+
+[activation_checkpoint]
+mode = "selective"
+selective_ac_option = "op"
+"""
+
+
+def test_torchtitan_moe_config_runs_as_is(tmp_path: Path) -> None:
+    """Their qwen3 MoE debug file loads as a qwen3_moe config whose model builds (args
+    checked), the command line still winning."""
+    assert converted(TT_MOE_DEBUG).blocking == []
+    source = tmp_path / "tt.toml"
+    source.write_text(TT_MOE_DEBUG)
+    cfg = load_config(["--job.config_file", str(source), "--model.top_k", "4"])
+    model = (cfg.model.name, cfg.model.flavor, cfg.model.num_experts, cfg.model.bias_update_rate)
+    assert model == ("qwen3_moe", "debugmodel", 64, 1e-3)
+    spec, args = build_model_args(cfg, 2000)
+    assert spec.name == "qwen3_moe" and (args.vocab_size, args.n_layers, args.top_k) == (2048, 8, 4)
+
+
+@pytest.mark.parametrize(
+    ("name", "flavor", "key"),
+    [("deepseek_v3", "16B", "model.name"), ("qwen3", "72B", "model.flavor"), ("llama3", "debugmodel_moe", "model.flavor")],
+)  # fmt: skip
+def test_refusals_list_the_registry_families(
+    name: str, flavor: str, key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    text = f'[model]\nname = "{name}"\nflavor = "{flavor}"\n'
+    (note,) = [n for n in converted(text).blocking if n.key == key]
+    assert "no MoE" not in note.advice
+    assert f"families are {', '.join(REGISTRY)}" in note.advice and "qwen3_moe" in note.advice
+    families = ", ".join(REGISTRY)
+    monkeypatch.setitem(REGISTRY, "mamba", REGISTRY["llama3"])  # a family added later shows up
+    (note,) = [n for n in converted(text).blocking if n.key == key]
+    assert f"families are {families}, mamba" in note.advice
+    # the docs table's rule says the same (the registry when the module loaded)
+    assert f"titanlite's families are {families};" in MAPPING["model.name"].note
+    assert "MoE flavors block" not in MAPPING["model.flavor"].note
 
 
 def test_expert_parallel_degree_carries_over() -> None:
@@ -484,35 +592,63 @@ def test_run_as_is_refuses_what_titanlite_cannot_honour_line_by_line(tmp_path: P
     assert any("model.converters" in line for line in lines[1:])
 
 
+def torchtitan_tokenizer(folder: Path) -> Path:
+    """A folder laid out like TorchTitan's tests/assets/tokenizer: a byte-level BPE
+    tokenizer.json (written by the tokenizers library) without the BOS, EOS and pad that its
+    tokenizer_config.json names."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=alphabet, show_progress=False)
+    raw.train_from_iterator([(REPO / "README.md").read_text()], trainer)
+    raw.add_special_tokens(["<|endoftext|>"])
+    folder.mkdir()
+    raw.save(str(folder / "tokenizer.json"))
+    entry = {"lstrip": False, "normalized": False, "rstrip": False, "special": True}
+    config = {
+        "added_tokens_decoder": {
+            "128000": {"content": "<|begin_of_text|>", **entry},
+            "128001": {"content": "<|end_of_text|>", **entry},
+        },
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|end_of_text|>",
+        "pad_token": "<|pad|>",
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
 @pytest.mark.slow
-def test_torchtitan_debug_config_trains_as_is(tmp_path: Path) -> None:
-    """Their debug file, its hf_assets_path a tokenizer.json folder, trains 2 steps at their
-    tp 2 on 2 ranks (float32 and no compile, to stay quick on a CPU)."""
+@pytest.mark.parametrize("model", ["llama3", "qwen3_moe"])
+def test_torchtitan_debug_config_trains_as_is(model: str, tmp_path: Path) -> None:
+    """Their debug file, its hf_assets_path a folder like their test tokenizer, trains 2 steps
+    on 2 ranks (float32 and no compile, to stay quick on a CPU): llama3 at their tp 2; their
+    qwen3 MoE debug model with fewer, smaller layers and experts."""
     import train_scenarios
     from pool import get_pool
 
-    sys.path.insert(0, str(REPO / "scripts"))
-    import train_tokenizer
-
-    tokenizer = tmp_path / "debug_tokenizer"
-    args = ["--kind", "hf-bpe", "--vocab-size", "300", "--out", str(tokenizer)]
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text((REPO / "README.md").read_text())
-    args += ["--dataset-path", str(corpus), "--validation-fraction", "0"]
-    assert train_tokenizer.main(args) == 0
+    tokenizer = torchtitan_tokenizer(tmp_path / "debug_tokenizer")
+    text = TT_DEBUG if model == "llama3" else TT_MOE_DEBUG
     source = tmp_path / "tt.toml"
-    source.write_text(TT_DEBUG.replace("./assets/debug_tokenizer", str(tokenizer)))
+    source.write_text(text.replace("./assets/debug_tokenizer", str(tokenizer)))
     argv = [
         "--job.config_file", str(source), "--job.dump_folder", str(tmp_path / "run"),
         "--training.steps", "2", "--training.seq_len", "64", "--training.local_batch_size", "2",
         "--training.mixed_precision_param", "float32", "--compile.enable", "false",
         "--validation.steps", "1",
     ]  # fmt: skip
+    if model == "qwen3_moe":
+        argv += ["--model.n_layers", "2", "--model.num_experts", "4", "--model.top_k", "2",
+                 "--model.moe_hidden_dim", "64"]  # fmt: skip
     run = get_pool(2).run(train_scenarios.train, argv=argv)[0]
     losses = [r["loss"] for r in run["records"] if "loss" in r]
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
-    assert run["info"]["parallel_degrees"]["tp"] == 2
-    assert (tmp_path / "run" / "ckpt" / "step-2").is_dir()  # their checkpoint.folder
+    if model == "llama3":
+        assert run["info"]["parallel_degrees"]["tp"] == 2
+        assert (tmp_path / "run" / "ckpt" / "step-2").is_dir()  # their checkpoint.folder
 
 
 # --- docs -------------------------------------------------------------------------------------

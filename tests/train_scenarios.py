@@ -92,18 +92,18 @@ def validate_twice(
 ) -> list[dict] | None:
     """Two validation passes on the initial weights (``cache_bytes``: another size of the
     kept-batches cache); rank 0 returns both records."""
-    import titanlite.trainer as trainer_module
+    import titanlite.validate as validate_module
 
     cfg = load_config(["--job.config_file", DEBUG_CONFIG, "--checkpoint.enable=false", *argv])
     trainer = Trainer(cfg)
-    default = trainer_module.VALIDATION_CACHE_BYTES
+    default = validate_module.VALIDATION_CACHE_BYTES
     if cache_bytes is not None:
-        trainer_module.VALIDATION_CACHE_BYTES = cache_bytes
+        validate_module.VALIDATION_CACHE_BYTES = cache_bytes
     try:
-        trainer.validate()
-        trainer.validate()
+        for _ in range(2):
+            trainer.validator.validate(trainer.model, trainer.state.step, trainer.metrics)
     finally:
-        trainer_module.VALIDATION_CACHE_BYTES = default
+        validate_module.VALIDATION_CACHE_BYTES = default
         trainer.close()
     if rank != 0:
         return None

@@ -7,10 +7,9 @@ alike, so a typo or an impossible layout is the same one-line error wherever it 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
-from titanlite import models
+from titanlite import converters, models
 from titanlite.config import (
     ConfigError,
     Degrees,
@@ -23,17 +22,7 @@ from titanlite.data.tokenizer import Tokenizer, load_tokenizer
 from titanlite.data.tokens import is_token_folder
 from titanlite.errors import Problems
 from titanlite.models.spec import ModelSpec
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-def resolve_path(path: str) -> str:
-    """A relative path as given when it exists, else relative to the titanlite checkout (so
-    the shipped tokenizer is found from any working directory)."""
-    if not path or os.path.isabs(path) or os.path.exists(path):
-        return path
-    candidate = REPO_ROOT / path
-    return str(candidate) if candidate.exists() else path
+from titanlite.paths import resolve_path
 
 
 def model_overrides(cfg: JobConfig) -> dict[str, Any]:
@@ -67,7 +56,7 @@ def build_model_args(cfg: JobConfig, tokenizer_vocab: int) -> tuple[ModelSpec, A
 def check_pipeline(cfg: JobConfig, degrees: Degrees, args: Any, problems: Problems) -> None:
     """The pipeline split and schedule, and FSDP settings that give wrong results with it."""
     with problems.check():
-        pipeline_plan(cfg, degrees, args.n_layers)
+        pipeline_plan(cfg.parallelism, degrees, args.n_layers, cfg.training.local_batch_size)
     p = cfg.parallelism
     if "ZeroBubble" in p.pipeline_parallel_schedule and p.fsdp_reshard_after_forward == "always":
         problems.add(
@@ -149,6 +138,10 @@ def check(cfg: JobConfig, world_size: int) -> Tokenizer | None:
             f"parallelism.tensor_parallel_degree {degrees.tp} does not divide training.seq_len "
             f"{cfg.training.seq_len} (sequence parallelism splits the sequence)"
         )
+    for name in cfg.model.converters:  # the layouts each converter cannot take
+        if degrees and name in converters.REGISTRY:
+            for line in converters.get(name).refuses(degrees, cfg):
+                problems.add(f"model.converters: {name}: {line}")
     t = cfg.training
     if t.document_positions and not t.document_mask:
         problems.add("training.document_positions needs training.document_mask = true")

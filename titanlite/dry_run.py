@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from titanlite import converters
 from titanlite.checks import build_model_args
 from titanlite.config import (
     JobConfig,
@@ -33,9 +34,11 @@ from titanlite.config import (
 )
 from titanlite.config.layout import Degrees, PipelinePlan, pipeline_plan
 from titanlite.dtypes import DTYPES
+from titanlite.loss import cross_entropy_sum
 from titanlite.metrics import local_bytes
 from titanlite.models import moe
 from titanlite.models.layers import count_params
+from titanlite.moe_tracker import MoETracker
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.materialize import materialize
 from titanlite.parallel.parallelize import parallelize
@@ -58,17 +61,31 @@ def dry_run(cfg: JobConfig, world_size: int, tokenizer_vocab: int) -> str:
             model = spec.build(args)
         total = count_params(model)
         # Under pipeline parallelism a rank holds only its stages: those are what it sizes.
-        parts = parallelize(model, spec, args, dims, cfg, device=None).parts
-        plan = pipeline_plan(cfg, degrees, args.n_layers)
+        parts = parallelize(
+            model,
+            spec,
+            args,
+            dims,
+            parallelism=cfg.parallelism,
+            training=cfg.training,
+            activation_checkpoint=cfg.activation_checkpoint,
+            compile=cfg.compile,
+            device=None,
+            loss_sum=cross_entropy_sum,
+            converters=converters.build(cfg.model.converters),
+        ).parts
+        plan = pipeline_plan(cfg.parallelism, degrees, args.n_layers, cfg.training.local_batch_size)
         pipeline_lines = (
-            _pipeline_lines(cfg, spec, args, plan, dims) if plan
+            _pipeline_lines(cfg, spec, args, plan, dims=dims) if plan
             else _activation_lines(cfg, spec, args, dims)
         )  # fmt: skip
         params = list({id(p): p for part in parts for p in part.parameters()}.values())
         local_numel = local_bytes(params) // 4  # still float32 on meta
         accum = gradient_accumulation_steps(cfg, degrees)
         expert_lines = _expert_lines(cfg, parts, dims, accum) if spec.experts else []
-        init_lines = _initialize_one_rank(parts, spec, args, cfg, rank) if init_rank >= 0 else []
+        init_lines = (
+            _initialize_one_rank(parts, spec, args, cfg, rank=rank) if init_rank >= 0 else []
+        )
     finally:
         dist.destroy_process_group()
     state = {k: local_numel * b / GIB for k, b in BYTES_PER_PARAM.items()}
@@ -97,14 +114,14 @@ def _expert_lines(
 ) -> list[str]:
     """A mixture of experts on this rank: the experts' share of the model state, one
     block's weights as FSDP gathers them, and expert parallelism's all-to-all traffic."""
-    layers = moe.MoETracker.find(parts)
+    layers = MoETracker.find(parts)
     if not layers:
         return []
     d, dtype = dims.degrees, cfg.training.mixed_precision_param
     lines = [_expert_state_line(layers, d)]
     if d.dp_shard * d.cp > 1:  # FSDP shards, so each block is gathered to run
         lines.append(_gathered_block_line(parts, layers, d.ep, dtype))
-    return [*lines, _all_to_all_line(cfg, parts, layers, d, accum)]
+    return [*lines, _all_to_all_line(cfg, parts, layers, d, accum=accum)]
 
 
 def _expert_state_line(layers: list[moe.MoE], d: Degrees) -> str:
@@ -155,7 +172,7 @@ def _gathered_block_line(parts: list[nn.Module], layers: list[moe.MoE], ep: int,
 
 
 def _all_to_all_line(
-    cfg: JobConfig, parts: list[nn.Module], layers: list[moe.MoE], d: Degrees, accum: int
+    cfg: JobConfig, parts: list[nn.Module], layers: list[moe.MoE], d: Degrees, *, accum: int
 ) -> str:
     if d.ep == 1:
         return (
@@ -173,7 +190,7 @@ def _all_to_all_line(
     top_k, dim = layers[0].top_k, layers[0].experts.w1.shape[1]
     elem = DTYPES[cfg.training.mixed_precision_param].itemsize
     passes = 4 * len(layers) + 2 * recomputed
-    sent = all_to_all_bytes(passes, tokens, top_k, dim, d.ep, elem)
+    sent = all_to_all_bytes(passes, tokens, top_k, dim, ep=d.ep, elem=elem)
     again = f" + {recomputed} recomputed x 2" if recomputed else ""
     return (
         f"  all-to-all      {sent / GIB:.2f} GiB ({sent:,} bytes) sent per step per rank and as "
@@ -183,7 +200,7 @@ def _all_to_all_line(
     )
 
 
-def all_to_all_bytes(passes: int, tokens: int, top_k: int, dim: int, ep: int, elem: int) -> int:
+def all_to_all_bytes(passes: int, tokens: int, top_k: int, dim: int, *, ep: int, elem: int) -> int:
     """Bytes one rank sends in ``passes`` all-to-alls (each MoE layer's dispatch and combine
     in forward, and their gradients in backward): each of its tokens x top_k slots whose
     expert lives on another of the ep ranks, (ep - 1) / ep of them under even routing, sends
@@ -192,14 +209,14 @@ def all_to_all_bytes(passes: int, tokens: int, top_k: int, dim: int, ep: int, el
 
 
 def _pipeline_lines(
-    cfg: JobConfig, spec, args, plan: PipelinePlan, dims: ParallelDims
+    cfg: JobConfig, spec, args, plan: PipelinePlan, *, dims: ParallelDims
 ) -> list[str]:  # noqa: ANN001
     """The split, and this rank's activations kept for backward at the schedule's peak."""
     pp_rank, t = dims.local_rank("pp"), cfg.training
     stages = plan.rank_stages(pp_rank)
     micro = cfg.parallelism.pipeline_parallel_microbatch_size
     ac = cfg.activation_checkpoint.mode
-    per_block = _block_bytes(cfg, spec, args, dims, micro)
+    per_block = _block_bytes(cfg, spec, args, dims, sequences=micro)
     per_set = max(len(plan.stage_blocks[s]) for s in stages) * per_block
     sets = plan.in_flight(pp_rank)
     total = sets * per_set
@@ -219,7 +236,7 @@ def _pipeline_lines(
     ]
 
 
-def _block_bytes(cfg: JobConfig, spec, args, dims: ParallelDims, sequences: int) -> int:  # noqa: ANN001
+def _block_bytes(cfg: JobConfig, spec, args, dims: ParallelDims, *, sequences: int) -> int:  # noqa: ANN001
     """Bytes one block keeps for backward on this rank for ``sequences`` sequences: its
     share of each (seq_len / cp tokens, split again by tp), plus under context parallelism
     the keys and values gathered from the whole sequence."""
@@ -239,7 +256,7 @@ def _block_bytes(cfg: JobConfig, spec, args, dims: ParallelDims, sequences: int)
 def _activation_lines(cfg: JobConfig, spec, args, dims: ParallelDims) -> list[str]:  # noqa: ANN001
     """Without pipeline stages: one micro-batch's activations kept for backward."""
     d, t = dims.degrees, cfg.training
-    per_block = _block_bytes(cfg, spec, args, dims, t.local_batch_size)
+    per_block = _block_bytes(cfg, spec, args, dims, sequences=t.local_batch_size)
     logits = t.local_batch_size * (t.seq_len // d.cp) * args.vocab_size * 4 // d.tp
     total = args.n_layers * per_block + logits
     ac = cfg.activation_checkpoint.mode
@@ -283,13 +300,13 @@ def block_activation_bytes(spec, args, seq_len: int) -> int:  # noqa: ANN001
     return sum(saved.values()) // probe
 
 
-def _initialize_one_rank(parts, spec, args, cfg: JobConfig, rank: int) -> list[str]:  # noqa: ANN001
+def _initialize_one_rank(parts, spec, args, cfg: JobConfig, *, rank: int) -> list[str]:  # noqa: ANN001
     """Allocate and initialize this (fake) rank's shards on the CPU; report the cost."""
     before = _rss_bytes()
     start = time.perf_counter()
     stats = {"elements": 0, "allocate_s": 0.0, "init_s": 0.0}
     for part in parts:
-        for key, value in materialize(part, spec, args, "cpu", cfg.training.seed).items():
+        for key, value in materialize(part, spec, args, "cpu", seed=cfg.training.seed).items():
             stats[key] += value
     seconds = time.perf_counter() - start
     params = list({id(p): p for part in parts for p in part.parameters()}.values())

@@ -53,6 +53,15 @@ class Problems:
             raise kind(*self.lines)
 
 
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradient norm became non-finite (EXIT_DIVERGED)."""
+
+
+class Preempted(RuntimeError):
+    """Stopped on a signal, after saving when checkpoints are on (EXIT_PREEMPTED); the same
+    command resumes."""
+
+
 EXIT_OK = 0
 EXIT_USER_ERROR = 2
 """Bad input: a config, layout, file or checkpoint problem (one line on stderr)."""

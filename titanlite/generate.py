@@ -45,6 +45,7 @@ def generate(
     prompt: Sequence[int],
     max_new_tokens: int,
     max_seq_len: int,
+    *,
     temperature: float = 0.0,
     top_k: int | None = None,
     eos_id: int | None = None,

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from titanlite.files import atomic_write
+
 logger = logging.getLogger(__name__)
 
 # Dense (no sparsity) peak FLOP/s from vendor data sheets, by a substring of the device name.
@@ -104,9 +106,7 @@ def _read_peak_cache(path: Path) -> dict[str, float]:
 def _write_peak_cache(path: Path, cached: dict[str, float]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cached, indent=1))
-        tmp.replace(path)
+        atomic_write(path, json.dumps(cached, indent=1))
     except OSError as e:  # a read-only home only costs a re-measurement next time
         logger.warning("could not update the peak FLOP/s cache %s: %s", path, e)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from titanlite.config import JobConfig
+from titanlite.config.job_config import Profiling
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +32,7 @@ class Profiler:
     step, so a resumed run profiles the same steps as an uninterrupted one.
     """
 
-    def __init__(self, cfg: JobConfig, dump_folder: Path, rank: int, first_step: int):
-        p = cfg.profiling
+    def __init__(self, p: Profiling, dump_folder: Path, rank: int, first_step: int):
         self.freq = p.profile_freq
         self.rank = rank
         self.traces = dump_folder / p.save_traces_folder
@@ -104,9 +103,11 @@ class Profiler:
 
 
 @contextlib.contextmanager
-def profiling(cfg: JobConfig, dump_folder: Path, rank: int, first_step: int) -> Iterator[Profiler]:
+def profiling(
+    settings: Profiling, dump_folder: Path, rank: int, first_step: int
+) -> Iterator[Profiler]:
     """The profiler for a training loop; on CUDA out-of-memory, a snapshot before re-raising."""
-    profiler = Profiler(cfg, dump_folder, rank, first_step)
+    profiler = Profiler(settings, dump_folder, rank, first_step)
     try:
         yield profiler
     except torch.OutOfMemoryError:

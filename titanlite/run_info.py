@@ -9,15 +9,17 @@ import logging
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import asdict
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from titanlite import IMPORT_STARTED
-from titanlite.config import to_toml
-from titanlite.config.layout import MESH_DIMS
+from titanlite.config.job_config import JobConfig
+from titanlite.config.layout import MESH_DIMS, Degrees
 from titanlite.metrics import (
+    MetricsLogger,
     cuda_memory_stats,
     device_name,
     forget_peak_flops,
@@ -26,9 +28,7 @@ from titanlite.metrics import (
     peak_cache_file,
     peak_flops,
 )
-
-if TYPE_CHECKING:
-    from titanlite.trainer import Trainer
+from titanlite.optim.groups import ParamGroup
 
 logger = logging.getLogger("titanlite.train")
 
@@ -56,55 +56,154 @@ class StartupClock:
         return f"startup: first step done {sum(self.seconds.values()):.1f} s after launch ({parts})"
 
 
-def write_run_files(trainer: Trainer) -> None:
+@dataclass
+class Throughput:
+    """What MFU needs: FLOPs per token and the device's peak FLOP/s (which the step logger
+    may measure again, see ``StepLogger._checked_mfu``)."""
+
+    flops_per_token: float
+    device: torch.device
+    train_dtype: torch.dtype
+    peak_flops: float
+    peak_source: str
+
+    @classmethod
+    def of(cls, flops_per_token: float, device: torch.device, dtype: torch.dtype) -> Throughput:
+        """With the device's peak from the table of known GPUs, else measured (cached)."""
+        return cls(flops_per_token, device, dtype, *peak_flops(device, dtype))
+
+
+@dataclass
+class RunFacts:
+    """What run.json says a run is (gathered by the trainer at start-up)."""
+
+    model_name: str
+    flavor: str
+    num_params: int
+    active_params: int
+    world_size: int
+    degrees: Degrees
+    global_batch_size: int
+    gradient_accumulation_steps: int
+    seq_len: int
+    throughput: Throughput
+    model_args: dict[str, Any]
+    tokenizer: str
+    init: dict[str, float]
+    optimizer_groups: list[ParamGroup] = field(default_factory=list)
+    converters: list[str] = field(default_factory=list)
+
+    def as_json(self) -> dict[str, Any]:
+        t = self.throughput
+        return {
+            "model_name": self.model_name,
+            "num_params": self.num_params,
+            "active_params": self.active_params,
+            "flops_per_token": t.flops_per_token,
+            "world_size": self.world_size,
+            "parallel_degrees": {dim: self.degrees.of(dim) for dim in MESH_DIMS},
+            "global_batch_size": self.global_batch_size,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "device": str(t.device),
+            "device_name": device_name(t.device),
+            "train_dtype": str(t.train_dtype).removeprefix("torch."),
+            "peak_flops_per_device": t.peak_flops,
+            "peak_flops_source": t.peak_source,
+            "vocab_size": self.model_args["vocab_size"],
+            "tokenizer": self.tokenizer,
+            "model_args": self.model_args,
+            "init": self.init,
+            "optimizer_groups": [g.describe() for g in self.optimizer_groups],
+            "converters": self.converters,
+            "torch_version": torch.__version__,
+        }
+
+
+def write_run_files(dump_folder: Path, config_toml: str, facts: RunFacts) -> None:
     """config.toml (the resolved config) and run.json (what this run is) in the dump folder."""
-    cfg = trainer.cfg
-    trainer.dump_folder.mkdir(parents=True, exist_ok=True)
-    (trainer.dump_folder / "config.toml").write_text(to_toml(cfg))
-    degrees = trainer.dims.degrees
-    info = {
-        "model_name": trainer.spec.name,
-        "num_params": trainer.num_params,
-        "active_params": trainer.active_params,
-        "flops_per_token": trainer.flops_per_token,
-        "world_size": trainer.dist.world_size,
-        "parallel_degrees": {dim: degrees.of(dim) for dim in MESH_DIMS},
-        "global_batch_size": trainer.global_batch,
-        "gradient_accumulation_steps": trainer.accum_steps,
-        "device": str(trainer.device),
-        "device_name": device_name(trainer.device),
-        "train_dtype": str(trainer.train_dtype).removeprefix("torch."),
-        "peak_flops_per_device": trainer.peak_flops,
-        "peak_flops_source": trainer.peak_source,
-        "vocab_size": trainer.model_args.vocab_size,
-        "tokenizer": trainer.tokenizer.path.as_posix(),
-        "model_args": asdict(trainer.model_args),
-        "init": trainer.model.materialize_stats,
-        "torch_version": torch.__version__,
-    }
-    (trainer.dump_folder / "run.json").write_text(json.dumps(info, indent=2) + "\n")
+    dump_folder.mkdir(parents=True, exist_ok=True)
+    (dump_folder / "config.toml").write_text(config_toml)
+    (dump_folder / "run.json").write_text(json.dumps(facts.as_json(), indent=2) + "\n")
+    active = facts.active_params
     logger.info(
         "model %s/%s: %s parameters%s, %.3g FLOPs per token; global batch %d x %d tokens "
         "(%d micro-batches per step)",
-        cfg.model.name, cfg.model.flavor, f"{trainer.num_params:,}",
-        f" ({trainer.active_params:,} active)" if trainer.active_params != trainer.num_params
-        else "", trainer.flops_per_token,
-        trainer.global_batch, cfg.training.seq_len, trainer.accum_steps,
+        facts.model_name, facts.flavor, f"{facts.num_params:,}",
+        f" ({active:,} active)" if active != facts.num_params else "",
+        facts.throughput.flops_per_token, facts.global_batch_size, facts.seq_len,
+        facts.gradient_accumulation_steps,
     )  # fmt: skip
 
 
-class StepLogger:
-    """Turns a logged step into a record (metrics.jsonl, wandb) and a console line."""
+def metrics_logger(cfg: JobConfig, dump_folder: Path, is_main: bool) -> MetricsLogger:
+    """The run's metrics logger ([metrics]: wandb and TensorBoard when enabled; wandb gets
+    the whole resolved config)."""
+    m = cfg.metrics
+    wandb = None
+    if m.enable_wandb:
+        wandb = {
+            "project": m.wandb_project,
+            "name": m.wandb_run_name or cfg.job.description,
+            "config": {s: asdict(getattr(cfg, s)) for s in asdict(cfg)},
+        }
+    tensorboard = dump_folder / m.tensorboard_folder if m.enable_tensorboard else None
+    return MetricsLogger(dump_folder, is_main, wandb, tensorboard)
 
-    def __init__(self, trainer: Trainer):
-        self.trainer = trainer
+
+@dataclass
+class StepStats:
+    """One logged step's values, read on the host."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    tokens_seen: int
+    model_state_bytes: int
+    extra: dict[str, float] | None = None
+    """More fields for the record (a mixture of experts' routing metrics)."""
+
+
+class StepLogger:
+    """Turns a logged step into a record (metrics.jsonl, wandb) and a console line, with the
+    throughput of the window since the last logged step: training time only (``paused``
+    leaves validation and saves out), this rank's tokens, the share spent waiting for data."""
+
+    def __init__(self, throughput: Throughput, metrics: MetricsLogger, total_steps: int):
+        self.throughput = throughput
+        self.metrics = metrics
+        self.total_steps = total_steps
         self.warned_peak = False
+        self._start = self._window_start = time.perf_counter()
+        self._first_step = 1
+        self._window_tokens, self._window_data_s = 0, 0.0
         self.startup_fields: dict[str, object] = {}
         # TITANLITE_CUDA_SYNC_CHECK=1: report every device-to-host synchronization inside a
         # step (there should be none; values are read only at log steps). CUDA only.
         self.check_syncs = (
             torch.cuda.is_available() and os.environ.get("TITANLITE_CUDA_SYNC_CHECK") == "1"
         )
+
+    def begin(self, first_step: int) -> None:
+        """The loop starts at ``first_step`` (after a resume, not 1): the ETA counts from it."""
+        self._first_step = first_step
+        self._start = self._window_start = time.perf_counter()
+
+    def waited_for_data(self, seconds: float) -> None:
+        self._window_data_s += seconds
+
+    def trained(self, tokens: int) -> None:
+        """A step trained on ``tokens`` of this rank's tokens."""
+        self._window_tokens += tokens
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Around what is not training (validation, saves): left out of the window."""
+        paused = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._window_start += time.perf_counter() - paused
 
     @contextlib.contextmanager
     def sync_check(self) -> Iterator[None]:
@@ -132,7 +231,7 @@ class StepLogger:
         other work shared the cores: it is measured again there and then (once per run; a
         second or a few, outside the tokens/s window), the cache gets the new figure, and the
         rest of the run uses it."""
-        t = self.trainer
+        t = self.throughput
         mfu = 100 * tps * t.flops_per_token / t.peak_flops
         if mfu <= 100 or self.warned_peak or not t.peak_source.startswith("measured"):
             return mfu
@@ -148,39 +247,40 @@ class StepLogger:
         )  # fmt: skip
         return again
 
-    def log(
-        self, loss: torch.Tensor, grad_norm: torch.Tensor, seconds: float, tokens: int,
-        data_s: float, eta: float, extra: dict[str, float] | None = None,
-    ) -> None:  # fmt: skip
-        t = self.trainer
-        loss_value = float(loss)
-        tps = tokens / seconds
+    def log(self, stats: StepStats) -> None:
+        now = time.perf_counter()
+        seconds = now - self._window_start
+        tps = self._window_tokens / seconds
+        done = stats.step - self._first_step + 1
+        eta = (now - self._start) / done * (self.total_steps - stats.step)
         mfu = self._checked_mfu(tps)
+        device = self.throughput.device
         record = {
-            "step": t.state.step,
-            "loss": loss_value,
-            "grad_norm": float(grad_norm),
-            "lr": t.last_lr,
+            "step": stats.step,
+            "loss": stats.loss,
+            "grad_norm": stats.grad_norm,
+            "lr": stats.lr,
             "tps": tps,
             "mfu_pct": mfu,
-            "mem_peak_gib": memory_peak_gib(t.device),
-            **cuda_memory_stats(t.device),
+            "mem_peak_gib": memory_peak_gib(device),
+            **cuda_memory_stats(device),
             # Exact local bytes of params + grads + optimizer state: FSDP's saving shows here.
-            "model_state_gib": sum(t.model_state.values()) / 2**30,
-            "tokens_seen": t.state.tokens_seen,
-            "data_wait_pct": 100 * data_s / seconds,
+            "model_state_gib": stats.model_state_bytes / 2**30,
+            "tokens_seen": stats.tokens_seen,
+            "data_wait_pct": 100 * self._window_data_s / seconds,
             "time": time.time(),
             **self.startup_fields,
-            **(extra or {}),  # mixture of experts: load balance, dropped tokens, aux loss
+            **(stats.extra or {}),  # mixture of experts: load balance, dropped tokens, aux loss
         }
         self.startup_fields = {}
-        total = t.cfg.training.steps
+        total = self.total_steps
         console = (
-            f"step {t.state.step:>{len(str(total))}}/{total} | loss {loss_value:7.4f} | "
-            f"grad_norm {record['grad_norm']:6.3f} | lr {record['lr']:.2e} | "
+            f"step {stats.step:>{len(str(total))}}/{total} | loss {stats.loss:7.4f} | "
+            f"grad_norm {stats.grad_norm:6.3f} | lr {stats.lr:.2e} | "
             f"tps {tps:,.0f} | mfu {mfu:5.2f}% | mem {record['mem_peak_gib']:.2f}GiB | "
             f"eta {format_duration(eta)}"
         )
-        if extra and "moe_load_max_mean" in extra:  # the busiest expert against the mean
-            console += f" | moe load {extra['moe_load_max_mean']:.2f}"
-        t.metrics.log(record, console)
+        if stats.extra and "moe_load_max_mean" in stats.extra:  # the busiest expert vs the mean
+            console += f" | moe load {stats.extra['moe_load_max_mean']:.2f}"
+        self.metrics.log(record, console)
+        self._window_start, self._window_tokens, self._window_data_s = time.perf_counter(), 0, 0.0

@@ -24,11 +24,13 @@ from titanlite.errors import (
     EXIT_OK,
     EXIT_PREEMPTED,
     EXIT_USER_ERROR,
+    Preempted,
+    TrainingDiverged,
     UserError,
     error_lines,
 )
 from titanlite.heartbeat import CommFailure, failure_message, is_comm_failure
-from titanlite.trainer import Preempted, Trainer, TrainingDiverged
+from titanlite.trainer import Trainer
 
 logger = logging.getLogger("titanlite.train")
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
+
+from titanlite.files import atomic_write
 
 SUFFIX = ".sha256.json"
 _CHUNK = 1 << 22
@@ -41,12 +42,8 @@ class ChecksummingWriter(FileSystemWriter):
         sums = {n: [(folder / n).stat().st_size, file_digest(folder / n)] for n in names}
         rank = dist.get_rank() if dist.is_initialized() else 0
         out = folder / f"__{rank}{SUFFIX}"
-        tmp = out.with_name(out.name + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(json.dumps(sums, sort_keys=True))
-            f.flush()
-            os.fsync(f.fileno())  # durable like the shards: a crash must not void a good save
-        os.replace(tmp, out)
+        # Durable like the shards: a crash must not void a good save.
+        atomic_write(out, json.dumps(sums, sort_keys=True), durable=True)
         return future
 
 

@@ -193,6 +193,7 @@ def build_states(
     optimizers: Sequence[torch.optim.Optimizer],
     schedulers: Sequence[torch.optim.lr_scheduler.LambdaLR],
     dataloader: Stateful,
+    *,
     train_state: TrainState,
     renames: Sequence[dict[str, str]] | None = None,
 ) -> dict[str, Stateful]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from titanlite.errors import UserError
+from titanlite.optim.rules import ParamGroupRule
 
 
 class ConfigError(UserError):
@@ -33,10 +34,10 @@ class Job:
 
 @dataclass
 class Model:
-    name: Literal["llama3", "qwen3", "qwen3_moe"] = "llama3"
-    """Model family (docs/models.md)."""
+    name: str = "llama3"
+    """Model family, one of the registry's (docs/models.md; --help lists them)."""
     flavor: str = "debugmodel"
-    """Size preset of the family: llama3 debugmodel, bench, 1B, 3B, 8B, 70B, 405B; qwen3 debugmodel, 0.6B, 1.7B, 4B, 8B, 14B, 32B; qwen3_moe debugmodel, 30B-A3B, 235B-A22B."""
+    """Size preset of the family (--help lists each family's)."""
     tokenizer_path: str = "titanlite/assets/tokenizer.model"
     """Tokenizer: a sentencepiece .model, a Hugging Face tokenizer.json, or a folder holding either (e.g. a downloaded model folder); the vocabulary size follows it."""
     vocab_size: int | None = None
@@ -81,24 +82,28 @@ class Model:
     """Override the auxiliary-loss-free balancing rate: each expert's routing bias moves by this much per step towards an even load (qwen3_moe; 0 = off)."""
     capacity_factor: float | None = None
     """Override the expert capacity as a multiple of an even share (qwen3_moe; 0 = dropless)."""
+    converters: list[str] = field(default_factory=list)
+    """Model converters applied in this order before parallelization (titanlite.converters; --help lists them)."""
 
 
 @dataclass
 class Optimizer:
-    name: Literal["AdamW"] = "AdamW"
-    """Optimizer."""
+    name: str = "AdamW"
+    """Optimizer, by name (case-insensitive): AdamW. docs/models.md shows how to add one."""
     lr: float = 8e-4
     """Peak learning rate (reached at the end of warmup)."""
     eps: float = 1e-8
     """Adam epsilon."""
     weight_decay: float = 0.1
-    """Decoupled weight decay, applied to matrices only (not to norms)."""
+    """Decoupled weight decay (by default on matrices only, not on norms: see param_groups)."""
     beta1: float = 0.9
     """Adam beta1."""
     beta2: float = 0.95
     """Adam beta2."""
     implementation: Literal["auto", "foreach", "fused", "for-loop"] = "auto"
     """Kernel choice: auto = fused on CUDA and CPU (the fastest there), foreach elsewhere."""
+    param_groups: list[ParamGroupRule] = field(default_factory=list)
+    """Ordered rules putting parameters into groups, as [[optimizer.param_groups]] tables (params, dims, optimizer, lr_scale, weight_decay, name); empty = the optimizer's own default (AdamW: weight decay on matrices only)."""
 
 
 @dataclass
@@ -118,8 +123,11 @@ class DatasetEntry:
     """One [[training.datasets]] table: a pre-tokenized folder and its share of the windows."""
 
     path: str
+    """A folder written by scripts/pretokenize.py."""
     weight: float = 1.0
+    """Its share of the windows (weights are normalized over the entries)."""
     name: str = ""
+    """Its name in logs and in val_loss_NAME (default: the folder's name)."""
 
 
 @dataclass

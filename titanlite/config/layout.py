@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from titanlite.config.job_config import ConfigError, JobConfig
+from titanlite.config.job_config import ConfigError, JobConfig, Parallelism
 
 MESH_DIMS: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -177,10 +177,13 @@ class PipelinePlan:
         )
 
 
-def pipeline_plan(cfg: JobConfig, degrees: Degrees, n_layers: int) -> PipelinePlan | None:
-    """The pipeline split of ``n_layers`` blocks (None without pipeline parallelism); a
-    ConfigError naming the key for a split or schedule that cannot work."""
-    p, pp = cfg.parallelism, degrees.pp
+def pipeline_plan(
+    p: Parallelism, degrees: Degrees, n_layers: int, local_batch_size: int
+) -> PipelinePlan | None:
+    """The pipeline split of ``n_layers`` blocks (None without pipeline parallelism) with
+    micro-batches cut from ``local_batch_size`` sequences; a ConfigError naming the key for a
+    split or schedule that cannot work."""
+    pp = degrees.pp
     if pp == 1:
         return None
     schedule, style = p.pipeline_parallel_schedule, MULTI_STAGE.get(p.pipeline_parallel_schedule)
@@ -232,14 +235,13 @@ def pipeline_plan(cfg: JobConfig, degrees: Degrees, n_layers: int) -> PipelinePl
         )
     bounds = [sum(sizes[:i]) for i in range(n_stages + 1)]
     blocks = tuple(tuple(range(bounds[i], bounds[i + 1])) for i in range(n_stages))
-    t = cfg.training
     size = p.pipeline_parallel_microbatch_size
-    if size < 1 or t.local_batch_size % size:
+    if size < 1 or local_batch_size % size:
         raise ConfigError(
             f"parallelism.pipeline_parallel_microbatch_size {size} does not divide "
-            f"training.local_batch_size {t.local_batch_size}"
+            f"training.local_batch_size {local_batch_size}"
         )
-    microbatches = t.local_batch_size // size
+    microbatches = local_batch_size // size
     if schedule in ("1F1B",) and microbatches < n_stages:
         raise ConfigError(
             f"parallelism.pipeline_parallel_schedule {schedule} needs at least as many "

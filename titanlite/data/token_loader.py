@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from titanlite.data.loader import padded_chunk
+from titanlite.data.batches import padded_chunk
 from titanlite.data.spec import SPLITS, DataSpec, Split
 from titanlite.data.tokenizer import Tokenizer
 from titanlite.data.tokens import TokenFolder
@@ -91,7 +91,13 @@ class TokenLoader(WindowCountState):
     PackedLoader interface), over a folder written by scripts/pretokenize.py."""
 
     def __init__(
-        self, tokenizer: Tokenizer, spec: DataSpec, dp_rank: int, dp_world_size: int, split: Split
+        self,
+        tokenizer: Tokenizer,
+        spec: DataSpec,
+        dp_rank: int,
+        dp_world_size: int,
+        *,
+        split: Split,
     ) -> None:
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
@@ -174,7 +180,15 @@ class TokenLoader(WindowCountState):
         self._windows_consumed = self.num_windows + self.chunk  # the pass is over
         b = self.spec.local_batch_size
         mine = slice(self.dp_rank * b, (self.dp_rank + 1) * b)
-        return padded_chunk(rest, self.chunk, self.window, self._input_pad_id, mine)
+        return padded_chunk(rest, self.chunk, self.window, pad_id=self._input_pad_id, rows=mine)
+
+    def describe(self) -> str:
+        epoch = self._windows_consumed // max(self.num_windows, 1)
+        return (
+            f"token folder {self.spec.dataset_path} ({self.split}): epoch {epoch}, "
+            f"{self._windows_consumed:,} windows of {self.window} tokens consumed "
+            f"({self.num_windows:,} per epoch)"
+        )
 
     def _identity(self) -> dict[str, Any]:
         return {

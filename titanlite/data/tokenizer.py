@@ -8,6 +8,9 @@
   ``scripts/train_tokenizer.py --kind bpe``), or a folder holding one: loaded with the
   ``tokenizers`` library; BOS/EOS/pad/unk are the tokens its ``tokenizer_config.json`` names
   (beside the file), else the usual names (``<|begin_of_text|>``, ``<s>``, ...) when present.
+  Tokens that the config names but tokenizer.json lacks (TorchTitan's test tokenizer names
+  a BOS, EOS and pad its vocabulary does not have) get new ids after the vocabulary, the ids
+  transformers' ``AutoTokenizer`` gives them, and count in ``vocab_size``.
 
 Both encode the same way for the data pipeline: BOS first and EOS last when asked and the
 tokenizer has them (never a tokenizer.json's own post-processing), ids as int32 (any
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 from collections.abc import Sequence
@@ -29,11 +33,16 @@ import sentencepiece as spm
 
 from titanlite.errors import UserError
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_TOKENIZER_PATH = Path(__file__).resolve().parent.parent / "assets" / "tokenizer.model"
 HF_TOKENIZER_FILE = "tokenizer.json"
 HF_TOKENIZER_CONFIG = "tokenizer_config.json"
 SENTENCEPIECE_FILE = "tokenizer.model"
 SPECIAL_KINDS = ("bos", "eos", "pad", "unk")
+# transformers' named special tokens, in the order it appends those a tokenizer.json lacks.
+_NAMED_SPECIALS = ("bos", "eos", "unk", "sep", "pad", "cls", "mask")
+_TOKEN_FLAGS = ("single_word", "lstrip", "rstrip", "normalized", "special")
 # Special tokens looked for when a tokenizer.json comes without a tokenizer_config.json.
 _USUAL_NAMES = {
     "bos": ("<|begin_of_text|>", "<s>", "<|startoftext|>", "<bos>"),
@@ -173,6 +182,28 @@ def _token_name(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
+def _model_specific_tokens(config: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The other ``*_token`` keys (``image_token``, ...) that transformers takes as special
+    tokens, in its order: those written as AddedToken objects, then those written as
+    strings, then extra_special_tokens when it is a dict of named tokens."""
+    others = [
+        (key, value)
+        for key, value in config.items()
+        if key.endswith("_token") and key.removesuffix("_token") not in _NAMED_SPECIALS
+    ]
+    as_objects = [
+        (key, value)
+        for key, value in others
+        if isinstance(value, dict) and value.get("__type") == "AddedToken"
+    ]
+    as_strings = [(key, value) for key, value in others if isinstance(value, str)]
+    extras = config.get("extra_special_tokens") or config.get("additional_special_tokens")
+    named_extras = list(extras.items()) if isinstance(extras, dict) else []
+    merged = dict(as_objects)
+    merged.update(as_strings + named_extras)
+    return list(merged.items())
+
+
 class HFTokenizer(Tokenizer):
     """A Hugging Face ``tokenizer.json``, encoded with the ``tokenizers`` library (Rust)."""
 
@@ -198,31 +229,116 @@ class HFTokenizer(Tokenizer):
                 f"tokenizer file {str(self.path)!r} is not a usable Hugging Face "
                 f"{HF_TOKENIZER_FILE} ({reason})"
             ) from None
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.config_path = self.path.parent / HF_TOKENIZER_CONFIG
-        self.special_tokens = self._special_tokens()
+        config = self._read_config()
+        base_size = self._tok.get_vocab_size(with_added_tokens=True)
+        new_tokens = self._add_config_tokens(config)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.special_tokens = self._special_tokens(config)
         ids = {kind: self._tok.token_to_id(name) for kind, name in self.special_tokens.items()}
-        for kind, name in self.special_tokens.items():
-            if ids[kind] is None:
-                raise UserError(
-                    f"{self.config_path}: {kind}_token {name!r} is not a token of {self.path}"
-                )
         self.bos_id, self.eos_id, self.pad_id, self.unk_id = (
             ids.get(kind, -1) for kind in SPECIAL_KINDS
         )
         digest = hashlib.sha256(self.path.read_bytes())
         digest.update(json.dumps(self.special_tokens, sort_keys=True).encode())
+        if new_tokens:  # only then: a tokenizer that gains no ids keeps its fingerprint
+            digest.update(json.dumps(new_tokens).encode())
+            listed = ", ".join(f"{name} = {self._tok.token_to_id(name)}" for name in new_tokens)
+            logger.info(
+                "%s names tokens that %s lacks; they get the ids transformers gives them, "
+                "after the vocabulary of %d: %s",
+                self.config_path, self.path.name, base_size, listed,
+            )  # fmt: skip
         self.fingerprint = digest.hexdigest()[:16]
 
-    def _special_tokens(self) -> dict[str, str]:
-        """kind -> token string, from tokenizer_config.json, else the usual names present."""
-        if self.config_path.is_file():
+    def _read_config(self) -> dict[str, Any] | None:
+        """tokenizer_config.json beside the file, or None when there is none."""
+        if not self.config_path.is_file():
+            return None
+        try:
+            config = json.loads(self.config_path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise UserError(f"{self.config_path} is not valid JSON ({exc})") from None
+        if not isinstance(config, dict):
+            raise UserError(f"{self.config_path} is not a JSON object")
+        return config
+
+    def _added_token(self, value: Any, where: str) -> Any:
+        """A token as tokenizer_config.json writes one: a string (a special token) or an object
+        with its content and flags."""
+        from tokenizers import AddedToken
+
+        if isinstance(value, str):
+            return AddedToken(value, special=True)
+        if isinstance(value, dict) and isinstance(value.get("content"), str):
+            flags = {flag: bool(value[flag]) for flag in _TOKEN_FLAGS if flag in value}
+            return AddedToken(value["content"], **flags)
+        raise UserError(
+            f"{self.config_path}: {where} is {value!r}, not a token (a string or an object "
+            'with a "content" string)'
+        )
+
+    def _add_config_tokens(self, config: dict[str, Any] | None) -> list[str]:
+        """Add the tokens that tokenizer_config.json names and tokenizer.json does not hold, in
+        transformers' order (so with its ids): added_tokens_decoder's entries by their stated
+        id (that id itself is not kept: new ids follow the vocabulary), then the named special
+        tokens (bos, eos, unk, sep, pad, cls, mask, then other ``*_token`` keys), then
+        extra_special_tokens. The strings that got new ids, in id order."""
+        if not config:
+            return []
+        held = self._tok.get_added_tokens_decoder().values()
+        held_content = {token.content for token in held}
+        held_repr = {repr(token) for token in held}
+        decoder = config.get("added_tokens_decoder") or {}
+        if not isinstance(decoder, dict):
+            raise UserError(f"{self.config_path}: added_tokens_decoder is not a JSON object")
+        stated: dict[int, Any] = {}
+        for key, value in decoder.items():
+            where = f"added_tokens_decoder[{key!r}]"
             try:
-                config = json.loads(self.config_path.read_text())
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise UserError(f"{self.config_path} is not valid JSON ({exc})") from None
-            if not isinstance(config, dict):
-                raise UserError(f"{self.config_path} is not a JSON object")
+                token_id = int(key)
+            except ValueError:
+                raise UserError(f"{self.config_path}: {where}: {key!r} is not a token id") from None
+            if not isinstance(value, dict):  # transformers takes no bare string here either
+                raise UserError(f"{self.config_path}: {where} is {value!r}, not a token object")
+            stated[token_id] = token = self._added_token(value, where)
+            there = self._tok.id_to_token(token_id)
+            if there is not None and there != token.content:
+                raise UserError(
+                    f"{self.config_path}: {where} is {token.content!r} but id {token_id} of "
+                    f"{self.path} is {there!r}: the two files are not of one tokenizer"
+                )
+        to_add = [stated[i] for i in sorted(stated) if repr(stated[i]) not in held_repr]
+        known = held_content | {token.content for token in to_add}
+        named = [
+            (f"{kind}_token", config.get(f"{kind}_token")) for kind in _NAMED_SPECIALS
+        ] + _model_specific_tokens(config)
+        extras = config.get("extra_special_tokens") or config.get("additional_special_tokens")
+        if isinstance(extras, dict):
+            extras = None  # a dict of named tokens: in _model_specific_tokens already
+        if extras is not None and not isinstance(extras, list):
+            raise UserError(f"{self.config_path}: extra_special_tokens is not a list")
+        named += [(f"extra_special_tokens[{i}]", value) for i, value in enumerate(extras or [])]
+        named_content: set[str] = set()
+        for where, value in named:
+            if value is None or value == "":
+                continue
+            token = self._added_token(value, where)
+            if not where.startswith("extra_special_tokens"):
+                named_content.add(token.content)
+            if token.content not in known:
+                known.add(token.content)
+                to_add.append(token)
+        for token in to_add:  # a named token is special, whatever its entry says
+            if not token.special and token.content in named_content:
+                token.special = True
+        new = [token.content for token in to_add if self._tok.token_to_id(token.content) is None]
+        self._tok.add_tokens(to_add)
+        return new
+
+    def _special_tokens(self, config: dict[str, Any] | None) -> dict[str, str]:
+        """kind -> token string, from tokenizer_config.json, else the usual names present."""
+        if config is not None:
             found = {kind: _token_name(config.get(f"{kind}_token")) for kind in SPECIAL_KINDS}
             return {kind: name for kind, name in found.items() if name}
         found = {}

@@ -6,10 +6,10 @@ start offset of each document within the shard) and one metadata file, ``tokens.
 (format, tokenizer fingerprint, counts, source, one entry per shard with its sha256).
 
 Writing is crash-safe and resumable: each shard and its index go to ``*.tmp`` and are renamed
-into place, then ``tokens.json`` is rewritten (also by rename) with the shard added and the
-number of source rows consumed; ``"complete": true`` is set only at the end. A re-run with the
-same source and tokenizer skips the rows already written and finishes the folder. Readers
-refuse a folder that is not complete, so a half-written shard is never read.
+into place (``titanlite.files``), then ``tokens.json`` is rewritten (also by rename) with the
+shard added and the number of source rows consumed; ``"complete": true`` is set only at the
+end. A re-run with the same source and tokenizer skips the rows already written and finishes
+the folder. Readers refuse a folder that is not complete, so a half-written shard is never read.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from titanlite.data.sources import in_split, open_documents
 from titanlite.data.spec import SPLITS, DataSpec
 from titanlite.data.tokenizer import Tokenizer
 from titanlite.errors import UserError
+from titanlite.files import atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -57,15 +58,6 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _read_meta(folder: Path) -> dict[str, Any]:
     path = folder / META_NAME
     try:
@@ -88,9 +80,9 @@ class _SplitWriter:
     split: str
     dtype: np.dtype
     shards: list[dict[str, Any]]
-    pending: list[np.ndarray]
-    pending_docs: list[int]
-    pending_tokens: int = 0
+    pending: list[np.ndarray] = field(default_factory=list, init=False)
+    pending_docs: list[int] = field(default_factory=list, init=False)
+    pending_tokens: int = field(default=0, init=False)
 
     def add(self, documents: list[np.ndarray]) -> None:
         for ids in documents:
@@ -104,8 +96,8 @@ class _SplitWriter:
         name = f"{self.split}-{len(self.shards):05d}"
         tokens = np.concatenate(self.pending).astype(self.dtype)
         index = np.asarray(self.pending_docs, dtype=np.uint64)
-        _write_atomic(self.folder / f"{name}.bin", tokens.tobytes())
-        _write_atomic(self.folder / f"{name}.idx", index.tobytes())
+        atomic_write(self.folder / f"{name}.bin", tokens.tobytes(), durable=True)
+        atomic_write(self.folder / f"{name}.idx", index.tobytes(), durable=True)
         self.shards.append(
             {
                 "file": f"{name}.bin",
@@ -166,6 +158,7 @@ def pretokenize(
     spec: DataSpec,
     tokenizer: Tokenizer,
     out: str | os.PathLike[str],
+    *,
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     progress: bool = True,
     after_shard: Callable[[int], None] | None = None,
@@ -210,7 +203,7 @@ def pretokenize(
         stray.unlink()
 
     dtype = token_dtype(tokenizer.vocab_size)
-    writers = {s: _SplitWriter(folder, s, dtype, shards[s], [], []) for s in SPLITS}
+    writers = {s: _SplitWriter(folder, s, dtype, shards[s]) for s in SPLITS}
 
     def save(complete: bool, rows: int) -> dict[str, Any]:
         meta = {
@@ -229,7 +222,7 @@ def pretokenize(
         if complete:
             digests = "".join(x["sha256"] for w in writers.values() for x in w.shards)
             meta["id"] = hashlib.sha256(digests.encode()).hexdigest()[:16]
-        _write_atomic(folder / META_NAME, (json.dumps(meta, indent=1) + "\n").encode())
+        atomic_write(folder / META_NAME, json.dumps(meta, indent=1) + "\n", durable=True)
         return meta
 
     documents = open_documents(spec)

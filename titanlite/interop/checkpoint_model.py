@@ -135,6 +135,7 @@ def save_model_checkpoint(
     spec: ModelSpec,
     args: Any,
     out: str | os.PathLike[str],
+    *,
     tokenizer: Tokenizer | None = None,
     source: str = "",
 ) -> Path:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -13,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from titanlite.errors import UserError
+from titanlite.files import atomic_path
 
 
 def check_output_folder(out: Path, allowed: re.Pattern[str], marker: str, key: str) -> None:
@@ -43,25 +43,13 @@ def check_output_folder(out: Path, allowed: re.Pattern[str], marker: str, key: s
 def atomic_folder(out: Path) -> Iterator[Path]:
     """Yield a temporary sibling folder; on success it replaces ``out`` in one rename."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with atomic_path(out) as tmp:
+        tmp.mkdir()
         yield tmp
         umask = os.umask(0)
         os.umask(umask)
         for file in tmp.iterdir():  # some writers create private (0600) files
             file.chmod(0o666 & ~umask)
-        if out.exists():
-            os.replace(out, old)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old.exists() and not out.exists():
-            os.replace(old, out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
 
 
 @contextmanager

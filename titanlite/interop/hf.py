@@ -114,6 +114,7 @@ def save_hf(
     spec: ModelSpec,
     args: Any,
     out: str | Path,
+    *,
     tokenizer: Tokenizer,
     dtype: torch.dtype = torch.float32,
     max_shard_bytes: int = 5 * 10**9,

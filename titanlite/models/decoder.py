@@ -1,107 +1,147 @@
-"""What the decoder-only families (Llama, Qwen3) share, in plain Python: FLOPs, init rules,
-the tensor-parallel plan and the sizes tensor parallelism must divide.
+"""The decoder-only transformer the families share (Llama, Qwen3, Qwen3-MoE): attention
+with grouped-query heads and RoPE, a SwiGLU or mixture-of-experts feed-forward, RMSNorms.
 
-Their args dataclasses differ (Llama derives head_dim and the SwiGLU width, Qwen3 states them),
-but each exposes the same derived properties: dim, n_layers, n_heads, kv_heads, head_dim,
-ffn_hidden_dim, vocab_size, tie_embeddings.
+Module names follow Meta's Llama checkpoints (tok_embeddings, layers.N.attention.wq, ...,
+feed_forward.w1/w2/w3, norm, output); the families' specs address them through these names.
+The modules know nothing about parallelism: attention infers its local head count from the
+projection's output, so column-sharded projections just work, and its core (an entry of the
+attention registry, ``titanlite.models.attention``) is the one place context parallelism and
+document masking hook into.
+
+A family's args object provides dim, n_layers, n_heads, kv_heads, head_dim, ffn_hidden_dim,
+vocab_size, norm_eps, rope_theta, max_seq_len, tie_embeddings, and the class constants
+qk_norm (per-head RMSNorm on queries and keys), rope_style ("interleaved" pairs as in Meta's
+Llama, or "halves" as in Hugging Face's rotate_half) and attention (the registry name of the
+attention core). A family whose spec names this module as its ``model_module`` needs no
+modules of its own.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from titanlite.models.spec import InitRule, ModelSpec, TensorParallelPlan
+import torch
+from torch import nn
 
-# Megatron-style TP with sequence parallelism: column-wise q/k/v and gate/up projections,
-# row-wise output projections, so each sub-layer needs one all-gather in and one
-# reduce-scatter out; norms between sub-layers run on sequence shards.
-DECODER_TP_PLAN = TensorParallelPlan(
-    root={"tok_embeddings": "embedding", "norm": "norm", "output": "output"},
-    block={
-        "attention_norm": "norm",
-        "attention": "gather_input",
-        "attention.wq": "colwise",
-        "attention.wk": "colwise",
-        "attention.wv": "colwise",
-        "attention.wo": "rowwise",
-        "ffn_norm": "norm",
-        "feed_forward": "gather_input",
-        "feed_forward.w1": "colwise",
-        "feed_forward.w2": "rowwise",
-        "feed_forward.w3": "colwise",
-    },
-)
-
-# Residual-branch outputs: their init shrinks with depth so the residual stream stays O(1).
-_RESIDUAL_OUTPUTS = ("attention.wo.weight", "feed_forward.w2.weight")
+from titanlite.models import attention
+from titanlite.models.layers import ROPE_STYLES, FeedForward, RMSNorm, rope_tables
+from titanlite.models.moe import MoE
 
 
-def decoder_init_rule(args: Any, name: str) -> InitRule:
-    """Norm weights start at one; embeddings, projections and the output layer from truncated
-    normals whose std depends on the role of the weight."""
-    if name.endswith("norm.weight"):
-        return InitRule.constant(1.0)
-    if name == "tok_embeddings.weight":
-        # Tied embeddings also act as the output projection, so keep them small.
-        return InitRule.normal(args.dim**-0.5 if args.tie_embeddings else 1.0)
-    if name == "output.weight":
-        return InitRule.normal(args.dim**-0.5)
-    if name.endswith(_RESIDUAL_OUTPUTS):
-        return InitRule.normal(0.02 / math.sqrt(2 * args.n_layers))
-    return InitRule.normal(0.02)
+class Attention(nn.Module):
+    def __init__(self, args: Any):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.rotate = ROPE_STYLES[args.rope_style]
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, args.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, args.norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.core = attention.build(args.attention)
+
+    def forward(
+        self, x: torch.Tensor, *, rope: torch.Tensor, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        # rope and documents are keyword-only: tensor-parallel input styles redistribute
+        # positional inputs.
+        bsz, seq, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds only its share of heads.
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotate(q, rope), self.rotate(k, rope)
+        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), documents)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
-def decoder_flops_per_token(args: Any, seq_len: int) -> int:
-    """Training FLOPs per token: 6 x matmul params + 6 x layers x attention width x seq.
+class TransformerBlock(nn.Module):
+    def __init__(self, args: Any):
+        super().__init__()
+        self.attention = Attention(args)
+        # A mixture of experts when the family's args have experts (titanlite.models.moe).
+        self.feed_forward: nn.Module = (
+            MoE(args.dim, args)
+            if getattr(args, "num_experts", 0)
+            else FeedForward(args.dim, args.ffn_hidden_dim)
+        )
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
-    Matmul params exclude the embedding lookup but include the output projection (once, even
-    when tied). The attention term counts QK^T and AV over the causal half of the sequence,
-    forward and backward.
-    """
-    width = args.n_heads * args.head_dim
-    per_layer = (
-        args.dim * args.head_dim * (args.n_heads * 2 + args.kv_heads * 2)  # wq, wo, wk, wv
-        + 3 * args.dim * args.ffn_hidden_dim  # w1, w2, w3
-    )
-    matmul_params = args.n_layers * per_layer + args.vocab_size * args.dim
-    return 6 * matmul_params + 6 * args.n_layers * width * seq_len
-
-
-def decoder_tp_divisible(args: Any) -> dict[str, int]:
-    """Each rank holds whole heads, so the TP degree must divide both head counts."""
-    return {"n_heads": args.n_heads, "n_kv_heads": args.kv_heads}
-
-
-def check_decoder_shape(args: Any) -> None:
-    """ValueError naming the field for shapes a decoder cannot take."""
-    if args.head_dim % 2:
-        raise ValueError(f"head_dim {args.head_dim} must be even for RoPE")
-    if args.n_heads % args.kv_heads:
-        raise ValueError(f"n_heads {args.n_heads} is not divisible by n_kv_heads {args.kv_heads}")
-    if args.vocab_size <= 0:
-        raise ValueError("vocab_size must be set (it comes from the tokenizer)")
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope=rope, documents=documents)
+        return h + self.feed_forward(self.ffn_norm(h))
 
 
-def decoder_spec(
-    name: str,
-    package: str,
-    args_cls: type,
-    flavors: dict[str, Any],
-    overrides: tuple[str, ...],
-    tp_plan: TensorParallelPlan = DECODER_TP_PLAN,
-) -> ModelSpec:
-    """The spec of a decoder family whose modules live in ``package.model`` and whose Hugging
-    Face adapter in ``package.hf``, with the shared init rules, FLOPs and TP constraints."""
-    return ModelSpec(
-        name=name,
-        args_cls=args_cls,
-        flavors=flavors,
-        model_module=f"{package}.model",
-        hf_module=f"{package}.hf",
-        tp_plan=tp_plan,
-        flops_per_token=decoder_flops_per_token,
-        init_rule=decoder_init_rule,
-        tp_divisible=decoder_tp_divisible,
-        overrides=overrides,
-    )
+class Decoder(nn.Module):
+    """Token ids [batch, seq] -> logits [batch, seq, vocab] (float32 for a stable loss)."""
+
+    def __init__(self, args: Any):
+        super().__init__()
+        args.check()
+        self.args = args
+        # Given its weight, Embedding skips its own normal_ init: on the meta device that op
+        # imports torch's Python decompositions (seconds at start-up); the initializer sets it.
+        self.tok_embeddings = nn.Embedding(
+            args.vocab_size, args.dim, _weight=torch.empty(args.vocab_size, args.dim)
+        )
+        # A dict keyed by layer index keeps names stable when layers are wrapped or pruned.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        for i, block in self.layers.items():
+            if isinstance(block.feed_forward, MoE):
+                block.feed_forward.layer_id = int(i)
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Not persistent: recomputed by init_buffers, never checkpointed.
+        rope = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
+        self.register_buffer("rope", rope.to(torch.empty(0).device), persistent=False)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Token ids -> logits; a pipeline stage (some modules set to None) maps its input
+        (ids, or the hidden states of the stage before) to its output the same way.
+
+        ``positions`` ([seq], or [batch, seq]) are the tokens' RoPE positions when they are
+        not 0, 1, ... (a context-parallel rank holds chunks of a longer sequence; positions
+        may restart at each document). ``documents`` [batch, whole seq] (document numbers,
+        see ``attention.document_ids``) makes attention block-causal within documents.
+        """
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        rope = self.rope if positions is None else self.rope[positions]
+        for layer in self.layers.values():
+            h = layer(h, rope, documents=documents)
+        if self.output is None:
+            return h
+        return self.output(self.norm(h)).float()
+
+    def init_buffers(self) -> None:
+        """Recompute the RoPE tables on the model's device (after to_empty from meta) and
+        start the MoE routing biases at zero (a checkpoint load then overwrites them)."""
+        a = self.args
+        self.rope = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta).to(self.rope.device)
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.expert_bias.zero_()
+
+
+def build(args: Any) -> Decoder:
+    """The model of ``args`` (call under ``torch.device("meta")`` to allocate nothing)."""
+    return Decoder(args)
+
+
+def init_buffers(model: Decoder) -> None:
+    model.init_buffers()

@@ -59,6 +59,7 @@ def rename_to_hf(
     state: Mapping[str, torch.Tensor],
     args: Any,
     layer_names: Mapping[str, str],
+    *,
     dtype: torch.dtype | None = None,
     transform: Transform | None = None,
 ) -> dict[str, torch.Tensor]:
@@ -79,6 +80,7 @@ def rename_from_hf(
     state: Mapping[str, torch.Tensor],
     args: Any,
     layer_names: Mapping[str, str],
+    *,
     family: str,
     transform: Transform | None = None,
 ) -> dict[str, torch.Tensor]:

@@ -148,6 +148,7 @@ def _fill_block_(
     out: torch.Tensor,
     rule: InitRule,
     key: int,
+    *,
     offset: Sequence[int],
     strides: Sequence[int],
     base: int,
@@ -164,7 +165,10 @@ def _fill_block_(
         # One row is already too big for a chunk: go down a dimension.
         for r in range(rows):
             row_base = base + (offset[0] + r) * strides[0]
-            _fill_block_(out[r], rule, key, offset[1:], strides[1:], row_base, chunk)
+            _fill_block_(
+                out[r], rule, key, offset=offset[1:], strides=strides[1:], base=row_base,
+                chunk=chunk,
+            )  # fmt: skip
         return
     device = out.device
     inner_idx = _index_grid(out.shape[1:], offset[1:], strides[1:], device).add_(base)
@@ -188,6 +192,7 @@ def fill_local_(
     rule: InitRule,
     seed: int,
     name: str,
+    *,
     global_shape: tuple[int, ...],
     global_offset: tuple[int, ...],
 ) -> torch.Tensor:
@@ -227,7 +232,10 @@ def fill_local_(
     chunk = CHUNK_ELEMENTS if out.device.type == "cpu" else ACCELERATOR_CHUNK_ELEMENTS
     chunk = max(1, int(chunk))
     with torch.no_grad():
-        _fill_block_(out, rule, stream_key(seed, name), global_offset, strides, 0, chunk)
+        _fill_block_(
+            out, rule, stream_key(seed, name), offset=global_offset, strides=strides, base=0,
+            chunk=chunk,
+        )  # fmt: skip
     return out
 
 
@@ -236,12 +244,15 @@ def full_value(
     seed: int,
     name: str,
     shape: tuple[int, ...],
+    *,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
     """The whole initial tensor: what every sharding of it reassembles to."""
     out = torch.empty(shape, dtype=dtype, device=device)
-    return fill_local_(out, rule, seed, name, tuple(shape), (0,) * len(shape))
+    return fill_local_(
+        out, rule, seed, name, global_shape=tuple(shape), global_offset=(0,) * len(shape)
+    )
 
 
 Block = tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]
@@ -268,6 +279,7 @@ def init_parameters(
     model: nn.Module,
     rule_of: Callable[[str], InitRule],
     seed: int,
+    *,
     locate: Callable[[torch.Tensor], Block] = whole,
     aliases: Mapping[str, str] | None = None,
 ) -> int:
@@ -285,6 +297,6 @@ def init_parameters(
         local, shape, offset = locate(param)
         name = canonical_name(name)
         name = (aliases or {}).get(name, name)
-        fill_local_(local, rule_of(name), seed, name, shape, offset)
+        fill_local_(local, rule_of(name), seed, name, global_shape=shape, global_offset=offset)
         written += local.numel()
     return written

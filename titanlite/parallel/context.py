@@ -9,11 +9,12 @@ the trainer sums over the loss mesh (batch x cp) like any other.
 Attention needs each query's whole causal prefix. This rank's keys and values are
 all-gathered over the cp group (one collective per layer for both; its backward
 reduce-scatters their gradients, summing what every rank's queries contributed) and put in
-sequence order; each local chunk then attends to the prefix that ends with it
-(``chunk_attention``). On the CPU that is the flash kernel twice, over the fully visible keys
-and causally over the chunk's own, merged by log-sum-exp, so no mask is ever built; other
-devices use a boolean mask on scaled_dot_product_attention (correct, but the kernels keep it
-for backward: chunk x prefix bytes per layer).
+sequence order; the attention core then attends each local chunk to the prefix that ends
+with it (``AttentionCore.attend``). For causal attention on the CPU that is the flash kernel
+twice, over the fully visible keys and causally over the chunk's own, merged by log-sum-exp,
+so no mask is ever built; other devices use a boolean mask on scaled_dot_product_attention
+(correct, but the kernels keep it for backward: chunk x prefix bytes per layer). This module
+only moves keys and values: the attention math is the core's.
 
 Gathering, not a ring exchange: with grouped-query attention the keys and values are a small
 part of the activations (measured in docs/context_parallel.md), one collective per layer for
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from titanlite.models.attention import CausalAttention, chunk_attention, document_attention
+from titanlite.models.interfaces import AttentionCore, find
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -99,10 +100,15 @@ class ContextParallel:
         return batch[:, self.positions(seq // self.degree, batch.device)]
 
     def attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        self,
+        core: AttentionCore,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
         documents: torch.Tensor | None = None,
-    ) -> torch.Tensor:  # fmt: skip
-        """Causal attention of this rank's queries [batch, heads, local, head_dim] over the
+    ) -> torch.Tensor:
+        """``core``'s attention of this rank's queries [batch, heads, local, head_dim] over the
         whole sequence's keys and values (gathered from the cp group); block-causal within
         documents when given the whole sequence's ``documents`` [batch, seq]."""
         local = q.shape[2]
@@ -113,25 +119,18 @@ class ContextParallel:
         keys, values = kv.permute(1, 2, 3, 0, 4)
         c = local // 2
         chunks = [(i * c, c) for i in (self.rank, 2 * self.degree - 1 - self.rank)]
-        if documents is not None:
-            return document_attention(q, keys, values, documents, chunks, self.masked)
-        outs = [
-            chunk_attention(
-                q[:, :, n * c : (n + 1) * c],
-                keys[:, :, : first + c],
-                values[:, :, : first + c],
-                self.masked,
-            )  # fmt: skip
-            for n, (first, _) in enumerate(chunks)
-        ]
-        return torch.cat(outs, dim=2)
+        return core.attend(q, keys, values, chunks, documents=documents, masked=self.masked)
 
 
 def apply_cp(model: nn.Module, context: ContextParallel) -> int:
-    """Point every attention kernel of ``model`` at ``context``; returns how many."""
-    kernels = [m for m in model.modules() if isinstance(m, CausalAttention)]
-    for kernel in kernels:
-        kernel.context = context
-    if not kernels:
-        raise ValueError("context parallelism found no attention kernel in the model")
-    return len(kernels)
+    """Point every attention core of ``model`` at ``context``; returns how many."""
+    cores = find(model, AttentionCore)
+    if not cores:
+        raise ValueError("context parallelism found no attention core in the model")
+    for core in cores:
+        if core.mask.window is not None or not core.mask.causal:
+            raise ValueError(
+                f"context parallelism takes full causal attention only, not {core.mask}"
+            )
+        core.sequence_split = context
+    return len(cores)

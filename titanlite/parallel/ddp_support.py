@@ -1,4 +1,4 @@
-"""Building blocks of the data-parallel engine in ddp.py that need no engine state.
+"""Building blocks of the data-parallel engine (ddp.py, ddp_reducer.py) that need no engine state.
 
 Parameter collection, bucket assignment and allocation, the per-iteration bookkeeping and
 timing record, graph traversal for unused parameters, and the construction-time collectives
@@ -42,6 +42,7 @@ def assign_buckets(
     sizes: Sequence[int],
     keys: Sequence[Hashable],
     order: Sequence[int],
+    *,
     first_cap: int,
     cap: int,
 ) -> list[list[int]]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -21,19 +21,21 @@ def apply_fsdp(
     model: nn.Module,
     spec: ModelSpec,
     mesh: DeviceMesh,
+    *,
     param_dtype: str,
     reduce_dtype: str,
     reshard_after_forward: str,
-    experts: DeviceMesh | None = None,
+    expert_units: Sequence[nn.Module] = (),
+    expert_mesh: DeviceMesh | None = None,
 ) -> None:
     """Each block is one FSDP unit (gathered just before it runs); the root unit holds what
     is left (embeddings, final norm, output).
 
-    ``experts`` (mesh), under expert parallelism: each block's expert weights are a unit of
-    their own over that mesh (the dp_shard ranks outside the ep group). Their gradients come
-    out ep times too large (they already sum the ep group's tokens, and FSDP divides by its
-    own mesh's size): ``ParallelModel.finish_gradients`` scales them (gloo has no
-    pre-multiplied reduce-scatter for a custom divide factor)."""
+    ``expert_units`` over ``expert_mesh``, under expert parallelism: each block's expert
+    weights are a unit of their own over that mesh (the dp_shard ranks outside the ep
+    group). Their gradients come out ep times too large (they already sum the ep group's
+    tokens, and FSDP divides by its own mesh's size): ``ParallelModel.finish_gradients``
+    scales them (gloo has no pre-multiplied reduce-scatter for a custom divide factor)."""
     policy = MixedPrecisionPolicy(
         param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype]
     )
@@ -43,13 +45,12 @@ def apply_fsdp(
         keep = reshard_after_forward == "never" or (
             reshard_after_forward == "default" and i == len(blocks) - 1
         )
-        if experts is not None:
-            for module in block.modules():
-                if getattr(module, "ep", None) is not None:
-                    fully_shard(
-                        module, mesh=experts, mp_policy=policy, reshard_after_forward=not keep,
-                        shard_placement_fn=_expert_placement(experts.size(experts.ndim - 1)),
-                    )  # fmt: skip
+        for module in block.modules():
+            if expert_mesh is not None and any(module is unit for unit in expert_units):
+                fully_shard(
+                    module, mesh=expert_mesh, mp_policy=policy, reshard_after_forward=not keep,
+                    shard_placement_fn=_expert_placement(expert_mesh.size(expert_mesh.ndim - 1)),
+                )  # fmt: skip
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=not keep)
     fully_shard(
         model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward == "always"

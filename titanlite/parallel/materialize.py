@@ -58,6 +58,7 @@ def materialize(
     spec: ModelSpec,
     args: Any,
     device: torch.device | str,
+    *,
     seed: int,
     init_weights: bool = True,
     aliases: dict[str, str] | None = None,
@@ -72,8 +73,9 @@ def materialize(
     written = 0
     if init_weights:
         written = init_parameters(
-            model, lambda name: spec.init_rule(args, name), seed, local_block, aliases
-        )
+            model, lambda name: spec.init_rule(args, name), seed, locate=local_block,
+            aliases=aliases,
+        )  # fmt: skip
     done = time.perf_counter()
     logger.info(
         "materialized the model on %s: %s (%.2f s allocation, %.2f s initialization)",

@@ -99,6 +99,7 @@ class Pipeline:
         stage_ids: list[int],
         modules: list[nn.Module],
         group: dist.ProcessGroup,
+        *,
         device: torch.device,
         loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         tied: tuple[str, str] | None = None,

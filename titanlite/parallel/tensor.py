@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -34,13 +36,24 @@ class LocalTokens(ParallelStyle):
     sequence parallelism leaves it) with its weights whole on every TP rank: a mixture of
     experts routes its own tokens. Each TP rank's weight gradients then cover its tokens
     only; ``ParallelModel.finish_gradients`` sums them over TP (``local_token_params``).
-    The module gets the TP group as ``sequence_shards`` (group, degree), for statistics
-    that are per whole sequence."""
+    The module gets ``sequence_shards`` (``titanlite.models.interfaces.SequenceShards``)
+    over the TP group, for statistics that are per whole sequence."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         module.register_forward_pre_hook(_local_inputs)
-        module.sequence_shards = (device_mesh.get_group(), device_mesh.size())
+        module.sequence_shards = _SequenceShards(device_mesh.get_group(), device_mesh.size())
         return module
+
+
+class _SequenceShards:
+    """The TP ranks that hold the other shards of this rank's sequences."""
+
+    def __init__(self, group: dist.ProcessGroup, degree: int) -> None:
+        self.group, self.degree = group, degree
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(tensor, group=self.group)
+        return tensor
 
 
 def _local_inputs(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from titanlite.models.decoder import check_decoder_shape
+from titanlite.models.decoder_spec import check_decoder_shape
 
 
 @dataclass
@@ -25,6 +25,7 @@ class LlamaArgs:
     # Architecture constants of the family (not fields: never saved or overridden).
     qk_norm: ClassVar[bool] = False
     rope_style: ClassVar[str] = "interleaved"  # Meta's pairs (x0, x1), (x2, x3), ...
+    attention: ClassVar[str] = "sdpa"  # the attention registry's causal core
 
     @property
     def kv_heads(self) -> int:

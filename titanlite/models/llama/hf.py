@@ -53,7 +53,7 @@ def to_hf_state_dict(
     state: Mapping[str, torch.Tensor], args: LlamaArgs, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
     return decoder_hf.rename_to_hf(
-        state, args, decoder_hf.LAYER_NAMES, dtype, _permute(args, forward=True)
+        state, args, decoder_hf.LAYER_NAMES, dtype=dtype, transform=_permute(args, forward=True)
     )
 
 
@@ -61,7 +61,7 @@ def from_hf_state_dict(
     state: Mapping[str, torch.Tensor], args: LlamaArgs
 ) -> dict[str, torch.Tensor]:
     return decoder_hf.rename_from_hf(
-        state, args, decoder_hf.LAYER_NAMES, "Llama", _permute(args, forward=False)
+        state, args, decoder_hf.LAYER_NAMES, family="Llama", transform=_permute(args, forward=False)
     )
 
 

@@ -1,11 +1,12 @@
 """Qwen3 dense (Alibaba): the Llama-style decoder with per-head q/k RMSNorm, an explicit
 head size, rotate-half RoPE and tied embeddings at the small sizes.
 
-This package's top level is plain Python (the spec); the modules are in ``model`` and the
-Hugging Face adapter in ``hf``, imported when first needed.
+This package's top level is plain Python (the spec); the modules are the shared decoder's
+(``titanlite.models.decoder``) and the Hugging Face adapter is ``hf``, imported when first
+needed.
 """
 
-from titanlite.models.decoder import DECODER_TP_PLAN, decoder_spec
+from titanlite.models.decoder_spec import DECODER_TP_PLAN, decoder_spec
 from titanlite.models.qwen3.args import FLAVORS, OVERRIDES, Qwen3Args
 from titanlite.models.spec import TensorParallelPlan
 
@@ -19,4 +20,4 @@ TP_PLAN = TensorParallelPlan(
     },
 )
 
-SPEC = decoder_spec("qwen3", __name__, Qwen3Args, FLAVORS, OVERRIDES, TP_PLAN)
+SPEC = decoder_spec("qwen3", __name__, Qwen3Args, FLAVORS, overrides=OVERRIDES, tp_plan=TP_PLAN)

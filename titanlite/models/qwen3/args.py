@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from titanlite.models.decoder import check_decoder_shape
+from titanlite.models.decoder_spec import check_decoder_shape
 
 QWEN3_VOCAB = 151936
 """The vocabulary of Qwen3's own tokenizer (the published parameter counts assume it)."""
@@ -31,6 +31,7 @@ class Qwen3Args:
 
     qk_norm: ClassVar[bool] = True
     rope_style: ClassVar[str] = "halves"  # rotate_half, as Qwen3's checkpoints expect
+    attention: ClassVar[str] = "sdpa"  # the attention registry's causal core
 
     @property
     def kv_heads(self) -> int:

@@ -27,13 +27,13 @@ LAYER_NAMES = {
 def to_hf_state_dict(
     state: Mapping[str, torch.Tensor], args: Qwen3Args, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
-    return decoder_hf.rename_to_hf(state, args, LAYER_NAMES, dtype)
+    return decoder_hf.rename_to_hf(state, args, LAYER_NAMES, dtype=dtype)
 
 
 def from_hf_state_dict(
     state: Mapping[str, torch.Tensor], args: Qwen3Args
 ) -> dict[str, torch.Tensor]:
-    return decoder_hf.rename_from_hf(state, args, LAYER_NAMES, "Qwen3")
+    return decoder_hf.rename_from_hf(state, args, LAYER_NAMES, family="Qwen3")
 
 
 def to_hf_config(

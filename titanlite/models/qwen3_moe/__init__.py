@@ -1,6 +1,6 @@
 """Qwen3-MoE (Alibaba): Qwen3's attention with a mixture of experts in every layer
-(``titanlite.models.moe``). Plain Python here (the spec); modules in ``model``, the Hugging
-Face adapter in ``hf``.
+(``titanlite.models.moe``). Plain Python here (the spec); the modules are the shared
+decoder's, the Hugging Face adapter is ``hf``.
 
 FLOPs and MFU count the active parameters: attention, the router, the top-k experts and any
 shared experts a token goes through.
@@ -12,7 +12,7 @@ import dataclasses
 import math
 from typing import Any
 
-from titanlite.models.decoder import decoder_flops_per_token, decoder_init_rule, decoder_spec
+from titanlite.models.decoder_spec import decoder_flops_per_token, decoder_init_rule, decoder_spec
 from titanlite.models.qwen3 import TP_PLAN as QWEN3_TP_PLAN
 from titanlite.models.qwen3_moe.args import FLAVORS, OVERRIDES, Qwen3MoeArgs
 from titanlite.models.spec import InitRule, TensorParallelPlan
@@ -48,7 +48,9 @@ def active_params(args: Any, total: int) -> int:
 
 
 SPEC = dataclasses.replace(
-    decoder_spec("qwen3_moe", __name__, Qwen3MoeArgs, FLAVORS, OVERRIDES, TP_PLAN),
+    decoder_spec(
+        "qwen3_moe", __name__, Qwen3MoeArgs, FLAVORS, overrides=OVERRIDES, tp_plan=TP_PLAN
+    ),
     init_rule=moe_init_rule,
     flops_per_token=moe_flops_per_token,
     active_params=active_params,

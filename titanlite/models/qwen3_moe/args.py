@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from titanlite.models.decoder import check_decoder_shape
+from titanlite.models.decoder_spec import check_decoder_shape
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
@@ -49,6 +49,7 @@ class Qwen3MoeArgs:
 
     qk_norm: ClassVar[bool] = True
     rope_style: ClassVar[str] = "halves"
+    attention: ClassVar[str] = "sdpa"  # the attention registry's causal core
 
     @property
     def kv_heads(self) -> int:

@@ -56,7 +56,7 @@ def to_hf_state_dict(
 ) -> dict[str, torch.Tensor]:
     _refuse_what_hf_lacks(args)
     dense = {k: v for k, v in state.items() if not _EXPERTS.fullmatch(k) and not _BIAS.fullmatch(k)}
-    out = decoder_hf.rename_to_hf(dense, args, LAYER_NAMES, dtype)
+    out = decoder_hf.rename_to_hf(dense, args, LAYER_NAMES, dtype=dtype)
     for name, tensor in state.items():
         match = _EXPERTS.fullmatch(name)
         if match is None:
@@ -73,7 +73,7 @@ def from_hf_state_dict(
 ) -> dict[str, torch.Tensor]:
     experts = {k: v for k, v in state.items() if ".mlp.experts." in k}
     dense = {k: v for k, v in state.items() if k not in experts}
-    out = decoder_hf.rename_from_hf(dense, args, LAYER_NAMES, "Qwen3-MoE")
+    out = decoder_hf.rename_from_hf(dense, args, LAYER_NAMES, family="Qwen3-MoE")
     for layer in range(args.n_layers):
         prefix = f"model.layers.{layer}.mlp.experts."
         fused = experts.get(prefix + "gate_up_proj")

@@ -1,11 +1,10 @@
 """Attention kernels on [batch, heads, seq, head_dim] queries, keys and values, and the
 document structure of packed windows.
 
-``CausalAttention`` is the kernel module every attention layer calls: causal attention, or
-block-causal within documents when given document ids, or (when context parallelism set its
-``context``) over keys gathered from other ranks. The building block of the last two is
-``chunk_attention``: a run of consecutive queries over the keys up to them, the earlier ones
-fully visible and the run's own causally; on the CPU computed without any mask.
+The building block is ``chunk_attention``: a run of consecutive queries over the keys up to
+them, the earlier ones fully visible and the run's own causally; on the CPU computed without
+any mask. Block-causal attention within documents (``document_attention``) and a context-
+parallel rank's share of a sequence are runs of such chunks.
 """
 
 from __future__ import annotations
@@ -13,11 +12,9 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 
 def chunk_attention(
@@ -79,32 +76,13 @@ class _PrefixAttention(torch.autograd.Function):
         return dq_p + dq_d, torch.cat([dk_p, dk_d], dim=2), torch.cat([dv_p, dv_d], dim=2)
 
 
-def document_ids(tokens: torch.Tensor, bos_id: int, eos_id: int) -> torch.Tensor:
-    """[batch, seq] ids -> [batch, seq] document numbers within each window (0, 1, ...): a
-    document starts at each BOS token, or, for a tokenizer without BOS, after each EOS."""
-    if bos_id >= 0:
-        starts = tokens == bos_id
-    else:
-        starts = torch.zeros_like(tokens, dtype=torch.bool)
-        starts[:, 1:] = tokens[:, :-1] == eos_id
-    return starts.long().cumsum(1)
-
-
-def document_positions(documents: torch.Tensor) -> torch.Tensor:
-    """[batch, seq] document numbers -> each token's position within its document."""
-    index = torch.arange(documents.shape[1], device=documents.device).expand_as(documents)
-    new = torch.ones_like(documents, dtype=torch.bool)
-    new[:, 1:] = documents[:, 1:] != documents[:, :-1]
-    starts = torch.cummax(torch.where(new, index, 0), dim=1).values
-    return index - starts
-
-
 @torch.compiler.disable  # the split depends on the data: eager, outside compiled graphs
 def document_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     documents: torch.Tensor,
+    *,
     chunks: Sequence[tuple[int, int]],
     masked: bool = False,
 ) -> torch.Tensor:
@@ -137,28 +115,3 @@ def document_attention(
             local += length
         outs.append(torch.cat(pieces, dim=2))
     return torch.cat(outs, dim=0)
-
-
-class CausalAttention(nn.Module):
-    """The attention kernel: causal scaled dot-product attention (grouped-query when keys have
-    fewer heads), block-causal within documents when given ``documents`` [batch, seq].
-
-    No parameters. Context parallelism sets ``context`` (an object with an ``attention(q, k,
-    v, documents)`` method) when the local sequence is this rank's share of a longer one.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.context: Any = None
-
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        documents: torch.Tensor | None = None,
-    ) -> torch.Tensor:  # fmt: skip
-        if self.context is not None:
-            return self.context.attention(q, k, v, documents)
-        if documents is not None:
-            return document_attention(q, k, v, documents, [(0, q.shape[2])])
-        return F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
-        )

@@ -1,0 +1,110 @@
+"""What the decoder-only families (Llama, Qwen3, Qwen3-MoE) share in their specs, in plain
+Python: FLOPs, init rules, the tensor-parallel plan and the sizes tensor parallelism must
+divide. (Their modules are ``titanlite.models.decoder``.)
+
+Their args dataclasses differ (Llama derives head_dim and the SwiGLU width, Qwen3 states them),
+but each exposes the same derived properties: dim, n_layers, n_heads, kv_heads, head_dim,
+ffn_hidden_dim, vocab_size, tie_embeddings.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from titanlite.models.spec import InitRule, ModelSpec, TensorParallelPlan
+
+# Megatron-style TP with sequence parallelism: column-wise q/k/v and gate/up projections,
+# row-wise output projections, so each sub-layer needs one all-gather in and one
+# reduce-scatter out; norms between sub-layers run on sequence shards.
+DECODER_TP_PLAN = TensorParallelPlan(
+    root={"tok_embeddings": "embedding", "norm": "norm", "output": "output"},
+    block={
+        "attention_norm": "norm",
+        "attention": "gather_input",
+        "attention.wq": "colwise",
+        "attention.wk": "colwise",
+        "attention.wv": "colwise",
+        "attention.wo": "rowwise",
+        "ffn_norm": "norm",
+        "feed_forward": "gather_input",
+        "feed_forward.w1": "colwise",
+        "feed_forward.w2": "rowwise",
+        "feed_forward.w3": "colwise",
+    },
+)
+
+# Residual-branch outputs: their init shrinks with depth so the residual stream stays O(1).
+_RESIDUAL_OUTPUTS = ("attention.wo.weight", "feed_forward.w2.weight")
+
+
+def decoder_init_rule(args: Any, name: str) -> InitRule:
+    """Norm weights start at one; embeddings, projections and the output layer from truncated
+    normals whose std depends on the role of the weight."""
+    if name.endswith("norm.weight"):
+        return InitRule.constant(1.0)
+    if name == "tok_embeddings.weight":
+        # Tied embeddings also act as the output projection, so keep them small.
+        return InitRule.normal(args.dim**-0.5 if args.tie_embeddings else 1.0)
+    if name == "output.weight":
+        return InitRule.normal(args.dim**-0.5)
+    if name.endswith(_RESIDUAL_OUTPUTS):
+        return InitRule.normal(0.02 / math.sqrt(2 * args.n_layers))
+    return InitRule.normal(0.02)
+
+
+def decoder_flops_per_token(args: Any, seq_len: int) -> int:
+    """Training FLOPs per token: 6 x matmul params + 6 x layers x attention width x seq.
+
+    Matmul params exclude the embedding lookup but include the output projection (once, even
+    when tied). The attention term counts QK^T and AV over the causal half of the sequence,
+    forward and backward.
+    """
+    width = args.n_heads * args.head_dim
+    per_layer = (
+        args.dim * args.head_dim * (args.n_heads * 2 + args.kv_heads * 2)  # wq, wo, wk, wv
+        + 3 * args.dim * args.ffn_hidden_dim  # w1, w2, w3
+    )
+    matmul_params = args.n_layers * per_layer + args.vocab_size * args.dim
+    return 6 * matmul_params + 6 * args.n_layers * width * seq_len
+
+
+def decoder_tp_divisible(args: Any) -> dict[str, int]:
+    """Each rank holds whole heads, so the TP degree must divide both head counts."""
+    return {"n_heads": args.n_heads, "n_kv_heads": args.kv_heads}
+
+
+def check_decoder_shape(args: Any) -> None:
+    """ValueError naming the field for shapes a decoder cannot take."""
+    if args.head_dim % 2:
+        raise ValueError(f"head_dim {args.head_dim} must be even for RoPE")
+    if args.n_heads % args.kv_heads:
+        raise ValueError(f"n_heads {args.n_heads} is not divisible by n_kv_heads {args.kv_heads}")
+    if args.vocab_size <= 0:
+        raise ValueError("vocab_size must be set (it comes from the tokenizer)")
+
+
+def decoder_spec(
+    name: str,
+    package: str,
+    args_cls: type,
+    flavors: dict[str, Any],
+    *,
+    overrides: tuple[str, ...],
+    tp_plan: TensorParallelPlan = DECODER_TP_PLAN,
+) -> ModelSpec:
+    """The spec of a family built by the shared decoder (``titanlite.models.decoder``) whose
+    Hugging Face adapter is ``package.hf``, with the shared init rules, FLOPs and TP
+    constraints."""
+    return ModelSpec(
+        name=name,
+        args_cls=args_cls,
+        flavors=flavors,
+        model_module="titanlite.models.decoder",
+        hf_module=f"{package}.hf",
+        tp_plan=tp_plan,
+        flops_per_token=decoder_flops_per_token,
+        init_rule=decoder_init_rule,
+        tp_divisible=decoder_tp_divisible,
+        overrides=overrides,
+    )

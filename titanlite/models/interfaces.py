@@ -1,0 +1,132 @@
+"""The interfaces the parallel layer sees of a model, besides its spec.
+
+``titanlite.parallel`` never imports a model class: it finds the attention cores and the
+routed experts of any family through these two base classes, and talks to them only through
+the hooks documented here. A family's modules subclass them (the attention registry's entries
+subclass ``AttentionCore``; ``titanlite.models.moe.GroupedExperts`` subclasses
+``RoutedExperts``).
+
+Hooks are plain attributes a parallelism sets once, after the model is built on the meta
+device; the model calls through them and knows nothing of process groups:
+
+- ``AttentionCore.sequence_split``: context parallelism. An object whose
+  ``attention(core, q, k, v, documents)`` returns this rank's attention output when the local
+  sequence is this rank's share of a longer one. It gathers keys and values and calls back
+  ``core.attend`` with the chunks this rank holds.
+- ``RoutedExperts.dispatch``: expert parallelism. ``dispatch(rows, counts, experts)`` moves
+  rows (sorted by global expert, ``counts`` per expert) to the ranks holding their experts,
+  runs ``experts(rows, local_counts)`` there and brings the outputs back.
+- ``sequence_shards`` on a module the tensor-parallel plan runs as ``local_tokens``: an
+  object with ``degree`` and ``sum(tensor)`` (an all-reduce over the ranks holding the other
+  shards of the same sequences), for statistics that are per whole sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Mask:
+    """Which keys a query may see, as data: context parallelism and document masking read
+    this, not the class of the attention core."""
+
+    causal: bool = True
+    """A query sees keys at or before its own position."""
+    window: int | None = None
+    """Sliding window: a query sees at most this many keys ending at its own (None = all)."""
+    sink: bool = False
+    """A learned logit per head joins every softmax row (attends to nothing)."""
+    documents: bool = True
+    """Honours document ids: block-causal within the documents of a packed window."""
+
+
+class SequenceSplit(Protocol):
+    """What context parallelism sets as ``AttentionCore.sequence_split``."""
+
+    def attention(
+        self,
+        core: AttentionCore,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        documents: torch.Tensor | None,
+    ) -> torch.Tensor: ...
+
+
+class SequenceShards(Protocol):
+    """What tensor parallelism sets as ``sequence_shards`` on a ``local_tokens`` module."""
+
+    degree: int
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over the ranks holding the other shards (in place)."""
+        ...
+
+
+class AttentionCore(nn.Module):
+    """The attention math a block calls on [batch, heads, seq, head_dim] queries, keys and
+    values (keys may have fewer heads: grouped-query attention); no parameters of its own
+    unless the mask needs them (a sink per head).
+
+    Subclasses are the attention registry's entries (``titanlite.models.attention``): they
+    set ``mask`` and implement ``attend``.
+    """
+
+    mask: Mask = Mask()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sequence_split: SequenceSplit | None = None
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        documents: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``documents`` [batch, seq]: each token's document number within its window."""
+        if self.sequence_split is not None:
+            return self.sequence_split.attention(self, q, k, v, documents=documents)
+        return self.attend(q, k, v, [(0, q.shape[2])], documents=documents)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        chunks: Sequence[tuple[int, int]],
+        *,
+        documents: torch.Tensor | None = None,
+        masked: bool = False,
+    ) -> torch.Tensor:
+        """Attention of queries ``q`` [b, h, local, d] that hold the sequence's ``chunks``
+        ((first position, length), in local order) over keys and values [b, h_kv, seq, d] in
+        sequence order; ``documents`` [b, seq] for the whole sequence. ``masked`` forces a
+        mask-based kernel where a mask-free one exists (tests compare the two)."""
+        raise NotImplementedError
+
+
+class RoutedExperts(nn.Module):
+    """A mixture-of-experts layer's experts: ``forward(rows, counts)`` maps rows sorted by
+    expert (``counts[e]`` rows for expert e) to their outputs, in the same order."""
+
+    num_experts: int
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dispatch: (
+            Callable[[torch.Tensor, torch.Tensor, Callable[..., torch.Tensor]], torch.Tensor] | None
+        ) = None
+
+
+def find(model: nn.Module, kind: type[Any]) -> list[Any]:
+    """The modules of ``model`` that implement an interface, in module order."""
+    return [m for m in model.modules() if isinstance(m, kind)]

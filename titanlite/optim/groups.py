@@ -1,0 +1,153 @@
+"""Parameter groups from ordered rules, and the optimizer of a model part built from them.
+
+Each parameter goes to the first rule (``optimizer.param_groups``, else the optimizer's
+default rules) whose name patterns and shape class it matches. Names are the model's own
+(``layers.3.attention.wq.weight``), the same under every layout; so the groups, and the
+optimizer's behaviour, are too.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from titanlite import optim
+from titanlite.config.job_config import LRScheduler, Optimizer
+from titanlite.errors import UserError
+from titanlite.optim.rules import ParamGroupRule
+from titanlite.optim.schedule import build_lr_scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ParamGroup:
+    """A resolved group: its rule's settings and the parameters it took."""
+
+    name: str
+    optimizer: str
+    lr: float
+    weight_decay: float
+    params: list[nn.Parameter] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+
+    def describe(self) -> dict[str, Any]:
+        """What run.json and the log say of the group."""
+        numel = sum(p.numel() for p in self.params)  # global shapes, even for DTensors
+        return {
+            "name": self.name,
+            "optimizer": self.optimizer,
+            "lr": self.lr,
+            "weight_decay": self.weight_decay,
+            "tensors": len(self.params),
+            "parameters": numel,
+        }
+
+
+def rules_of(settings: Optimizer) -> tuple[ParamGroupRule, ...]:
+    """optimizer.param_groups, else the default rules of optimizer.name."""
+    return tuple(settings.param_groups) or optim.get(settings.name).default_rules
+
+
+def _matches(rule: ParamGroupRule, name: str, param: nn.Parameter) -> bool:
+    if rule.dims == "matrix" and param.ndim < 2:
+        return False
+    if rule.dims == "vector" and param.ndim >= 2:
+        return False
+    patterns = [p.strip() for p in rule.params.split(",") if p.strip()]
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+
+
+def resolve_groups(
+    model: nn.Module, settings: Optimizer, rules: Sequence[ParamGroupRule] | None = None
+) -> list[ParamGroup]:
+    """The groups of ``model``'s trainable parameters, in rule order (empty groups left
+    out); a UserError naming a parameter that no rule takes."""
+    rules = tuple(rules) if rules is not None else rules_of(settings)
+    groups = [
+        ParamGroup(
+            name=rule.name or f"rule {i}",
+            optimizer=(rule.optimizer or settings.name).lower(),
+            lr=settings.lr * rule.lr_scale,
+            weight_decay=settings.weight_decay if rule.weight_decay is None else rule.weight_decay,
+        )
+        for i, rule in enumerate(rules)
+    ]
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        for rule, group in zip(rules, groups, strict=True):
+            if _matches(rule, name, param):
+                group.params.append(param)
+                group.names.append(name)
+                break
+        else:
+            raise UserError(
+                f"optimizer.param_groups: no rule takes parameter {name} (shape "
+                f'{tuple(param.shape)}); end the rules with one whose params is "*"'
+            )
+    return [g for g in groups if g.params]
+
+
+def build_optimizer(
+    model: nn.Module, settings: Optimizer, device: torch.device
+) -> tuple[torch.optim.Optimizer, list[ParamGroup]]:
+    """The optimizer of one model part (a whole model, or a pipeline stage) and its groups."""
+    groups = resolve_groups(model, settings)
+    kinds = sorted({g.optimizer for g in groups})
+    if len(kinds) > 1:
+        raise UserError(
+            f"optimizer.param_groups: the rules name {', '.join(kinds)}; one run takes one "
+            "optimizer for now"
+        )
+    torch_groups = []
+    for group in groups:
+        # Fused and foreach kernels take DTensors or plain tensors, not both in one call:
+        # under tensor parallelism without FSDP a layer that runs on sequence shards (a
+        # mixture of experts) keeps plain weights, so those get a group of their own.
+        plain = [p for p in group.params if not isinstance(p, DTensor)]
+        distributed = [p for p in group.params if isinstance(p, DTensor)]
+        for params in (plain, distributed):
+            if params:
+                torch_groups.append(
+                    {"params": params, "lr": group.lr, "weight_decay": group.weight_decay}
+                )
+    entry = optim.get(kinds[0] if kinds else settings.name)
+    return entry.implementation().build(torch_groups, settings, device), groups
+
+
+def build_optimizers(
+    parts: Sequence[nn.Module],
+    settings: Optimizer,
+    schedule: LRScheduler,
+    *,
+    total_steps: int,
+    device: torch.device,
+) -> tuple[list[torch.optim.Optimizer], list[torch.optim.lr_scheduler.LambdaLR], list[ParamGroup]]:
+    """One optimizer and learning-rate schedule per model part (the whole model, or each
+    pipeline stage of this rank), and the groups of all of them (logged)."""
+    optimizers, groups = [], []
+    for part in parts:
+        optimizer, part_groups = build_optimizer(part, settings, device)
+        optimizers.append(optimizer)
+        groups += part_groups
+    log_groups(groups)
+    schedulers = [build_lr_scheduler(o, schedule, total_steps) for o in optimizers]
+    return optimizers, schedulers, groups
+
+
+def log_groups(groups: Sequence[ParamGroup]) -> None:
+    for group in groups:
+        d = group.describe()
+        logger.info(
+            "optimizer group %s: %s, lr %.3g, weight decay %g, %d tensors (%s parameters)",
+            d["name"], d["optimizer"], d["lr"], d["weight_decay"], d["tensors"],
+            f"{d['parameters']:,}",
+        )  # fmt: skip

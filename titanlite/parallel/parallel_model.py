@@ -1,0 +1,171 @@
+"""ParallelModel: what the trainer and the validator see of a parallelized model.
+
+Whatever the layout, one call runs a micro-batch's forward and backward
+(``forward_backward``) and one its forward only (``evaluate``); both return the summed loss
+over the micro-batch's target tokens, the same on every rank that holds part of it. Pipeline
+stages, context-parallel chunks, loss parallelism and autocast stay inside.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from titanlite.parallel.context import ContextParallel
+from titanlite.parallel.ddp import BucketedDDP
+from titanlite.parallel.ddp_support import all_reduce_after_backward, local_tensor
+from titanlite.parallel.pipeline import Pipeline
+
+LossSum = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""(logits, labels) -> the loss summed over the target tokens."""
+
+
+class DocumentStructure(Protocol):
+    """training.document_mask: where the documents of a packed window start (the trainer
+    builds it from the tokenizer's BOS/EOS: ``titanlite.data.documents.DocumentMask``)."""
+
+    reset_positions: bool
+
+    def ids(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[batch, seq] token ids -> [batch, seq] document numbers."""
+        ...
+
+    def positions(self, documents: torch.Tensor) -> torch.Tensor:
+        """[batch, seq] document numbers -> each token's position within its document."""
+        ...
+
+
+@dataclass
+class ParallelModel:
+    """A model after ``parallelize``.
+
+    ``parts`` are the model's modules as built (checkpoints, optimizers and initialization
+    use them; the whole model, or this rank's pipeline stages); ``modules`` are what to call
+    for a forward pass (the parts, wrapped by the data-parallel engine where it applies).
+    With pipeline parallelism, ``pipeline`` runs them (forward and backward of a whole local
+    batch in one call) instead of calling the model. With context parallelism, ``context``
+    splits each sequence: this rank computes the loss of its chunks of the labels.
+    """
+
+    parts: list[nn.Module]
+    modules: list[nn.Module]
+    loss_sum: LossSum
+    loss_parallel: bool = False
+    autocast_dtype: torch.dtype | None = None
+    materialize_stats: dict[str, float] = field(default_factory=dict)
+    pipeline: Pipeline | None = None
+    context: ContextParallel | None = None
+    documents: DocumentStructure | None = None
+    expert_params: list[nn.Parameter] = field(default_factory=list)
+    """Under expert parallelism: the expert weights, whose gradients come out ep times too
+    large from the data-parallel engine (``expert_scale`` undoes it)."""
+    expert_scale: float = 1.0
+    local_token_params: list[nn.Parameter] = field(default_factory=list)
+    """Under tensor parallelism: weights of layers that run on each rank's sequence shard
+    (a mixture of experts), whose gradients are partial sums over ``tp_group``."""
+    tp_group: dist.ProcessGroup | None = None
+
+    # ------------------------------------------------------------------ one micro-batch
+    def forward_backward(
+        self, inputs: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor | float
+    ) -> torch.Tensor:
+        """Forward and backward of one micro-batch of whole sequences [batch, seq] (on the
+        device): the gradients are those of the summed loss times ``scale``. Returns the
+        summed loss over this rank's target tokens (detached; under pipeline parallelism
+        the micro-batch's, the same on every stage)."""
+        with self._train_context():
+            if self.pipeline is not None:  # forward and backward in every stage
+                return self.pipeline.forward_backward(inputs, labels, scale)
+            ce = self.loss_sum(self(inputs), self.local_labels(labels))
+            (ce * scale).backward()  # MoE layers add their balancing loss's gradient
+        return _full(ce.detach())
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The summed loss of one micro-batch, forward only (as ``forward_backward``)."""
+        with self._train_context():
+            if self.pipeline is not None:
+                return self.pipeline.evaluate(inputs, labels)
+            return _full(self.loss_sum(self(inputs), self.local_labels(labels)))
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits of this rank's tokens from whole sequences [batch, seq] of ids: under
+        context parallelism the call keeps this rank's chunks itself (document boundaries and
+        positions come from the whole sequence), so its logits pair with this rank's labels."""
+        if self.pipeline is not None:
+            raise RuntimeError("a pipelined model runs through its pipeline, not a call")
+        positions = documents = None
+        if self.documents is not None:
+            documents = self.documents.ids(tokens)
+            if self.documents.reset_positions:
+                positions = self.documents.positions(documents)
+        if self.context is not None:
+            mine = self.context.positions(tokens.shape[1] // self.context.degree, tokens.device)
+            tokens = tokens[:, mine]
+            positions = mine if positions is None else positions[:, mine]
+        if positions is None and documents is None:
+            return self.modules[0](tokens)
+        return self.modules[0](tokens, positions=positions, documents=documents)
+
+    def local_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """This rank's share of a micro-batch's labels, whose loss it computes (its context
+        chunks under CP): what to count target tokens in."""
+        return labels if self.context is None else self.context.shard(labels)
+
+    @contextlib.contextmanager
+    def _train_context(self) -> Iterator[None]:
+        """Around forward and loss: loss parallel (TP) and bf16 autocast where they apply."""
+        with contextlib.ExitStack() as stack:
+            if self.loss_parallel:
+                stack.enter_context(loss_parallel())
+            if self.autocast_dtype is not None:
+                device_type = next(self.parts[0].parameters()).device.type
+                stack.enter_context(torch.autocast(device_type, dtype=self.autocast_dtype))
+            yield
+
+    # ------------------------------------------------------------------ one step
+    def grad_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
+        """Whether the backward inside this context (and, for DDP, the forward) reduces
+        gradients: off for all but the last micro-batch of an accumulated step."""
+        stack = contextlib.ExitStack()
+        for module in self.modules:
+            if isinstance(module, BucketedDDP):
+                if not enabled:
+                    stack.enter_context(module.no_sync())
+            elif hasattr(module, "set_requires_gradient_sync"):  # fully_shard's own switch
+                module.set_requires_gradient_sync(enabled)
+        return stack
+
+    @property
+    def norm_skip(self) -> set[int]:
+        """Parameters (by id) the gradient norm must not count again (tied copies)."""
+        return self.pipeline.norm_skip if self.pipeline is not None else set()
+
+    def finish_gradients(self) -> None:
+        """After a step's last backward: what the data-parallel engines do not (pipeline
+        replicas and tied copies, expert scales, TP sums of sequence-shard layers)."""
+        if self.pipeline is not None:
+            self.pipeline.finish_gradients()
+        grads = [p.grad for p in self.expert_params if p.grad is not None]
+        if grads and self.expert_scale != 1.0:
+            torch._foreach_mul_([local_tensor(g) for g in grads], self.expert_scale)
+        partial = [p.grad for p in self.local_token_params if p.grad is not None]
+        if partial:
+            all_reduce_after_backward(partial, self.tp_group)
+
+    def train(self, mode: bool = True) -> None:
+        for module in self.modules:
+            module.train(mode)
+
+
+def _full(value: torch.Tensor) -> torch.Tensor:
+    """A plain tensor from a possibly distributed one (a loss under loss parallel)."""
+    return value.full_tensor() if isinstance(value, DTensor) else value

@@ -16,23 +16,84 @@
 #   PYTORCH_CUDA_ALLOC_CONF  CUDA allocator settings (default expandable_segments:True)
 # Exit status: 0 done, 2 bad input (one line on stderr), 3 loss became non-finite,
 # 4 a rank was lost (a collective failed or timed out; one line names the rank),
-# 75 stopped by SIGTERM/SIGUSR1 after saving a checkpoint (run the same command to resume).
+# 75 stopped by SIGTERM/SIGUSR1 after saving a checkpoint (run the same command to resume),
+# 130 stopped by Ctrl-C: the first stops at the end of the current step and saves it, a second
+# stops at once without saving (the same command resumes from the latest complete checkpoint).
 set -uo pipefail
+
+# Ctrl-C. One process is exec'd (below) and gets the terminal's SIGINT itself. On the torchrun
+# path the trainers run in sessions of their own (torchrun starts them so) and see no terminal
+# signal, and torchrun is told not to handle SIGINT (its own handling turns a second Ctrl-C
+# into SIGTERM and a 30 s wait); this script relays it instead: the first as SIGINT to every
+# trainer listed in $pids_file (each adds its pid once its handler is in place, so one that
+# is still starting gets it as soon as it can take it), the second as SIGKILL: at once, and as
+# safe for the checkpoints as any kill.
+EXIT_INTERRUPTED=130
+interrupts=0  # Ctrl-Cs so far
+relayed=0     # lines of $pids_file relayed so far
+pids_file=""  # set once trainers are launched
+on_interrupt() {
+  interrupts=$((interrupts + 1))
+  [ -n "$pids_file" ] || return 0  # not launched yet: checked before launching
+  if [ "$interrupts" -eq 1 ]; then
+    echo "run_train: Ctrl-C: stopping at the end of the current step (saving it when" \
+      "checkpoints are on); Ctrl-C again stops at once without saving" >&2
+  else
+    echo "run_train: Ctrl-C again: stopping at once, without saving" >&2
+    relayed=0  # every trainer again, now with SIGKILL
+  fi
+  relay_interrupt
+}
+relay_interrupt() {
+  local sig=INT n=0 pid
+  [ "$interrupts" -ge 2 ] && sig=KILL
+  [ -f "$pids_file" ] || return 0
+  while read -r pid; do
+    n=$((n + 1))
+    [ "$n" -gt "$relayed" ] && kill -"$sig" "$pid" 2>/dev/null
+  done <"$pids_file"
+  relayed=$n
+}
 
 # Runs a command in the background and returns its exit status. Preemption (SLURM signals
 # every process of the step, or only this script with --signal=B:USR1) is passed on as SIGTERM;
-# a signal interrupts `wait`, so it waits again until the command is really gone.
+# a signal interrupts `wait`, so it waits again until the command is really gone. After a
+# Ctrl-C it looks for newly started trainers to relay it to, five times a second.
 supervise() {
   "$@" &
   child=$!
   trap 'kill -TERM "$child" 2>/dev/null' TERM USR1
-  while kill -0 "$child" 2>/dev/null; do wait "$child"; done
+  local ended=""
+  while kill -0 "$child" 2>/dev/null; do
+    if [ "$interrupts" -gt 0 ]; then
+      relay_interrupt
+      # torchrun takes any exit for a failure: with MAX_RESTARTS it would start the trainers
+      # again after they stopped on Ctrl-C. SIGTERM makes it stop the rest instead, as it does
+      # without restarts (a trainer still saving finishes first: it is already stopping).
+      if [ -z "$ended" ] && [ "${MAX_RESTARTS:-0}" != 0 ] \
+         && grep -q "^$EXIT_INTERRUPTED"$'\t' "${TITANLITE_ERROR_FILE:-/dev/null}"; then
+        ended=1
+        kill -TERM "$child" 2>/dev/null
+      fi
+      sleep 0.2 & wait $!
+    else
+      wait "$child"
+    fi
+  done
   wait "$child"
+}
+
+not_launched_if_interrupted() {
+  if [ "$interrupts" -gt 0 ]; then
+    echo "titanlite: interrupted (Ctrl-C) before the run started; nothing ran" >&2
+    exit "$EXIT_INTERRUPTED"
+  fi
 }
 
 # The whole script is one function, read completely before it runs: editing this file
 # while a run is in flight cannot change what that run executes.
 main() {
+  trap on_interrupt INT
   # The trainer reports its start-up time from here (a caller may set an earlier start).
   export TITANLITE_LAUNCH_TIME="${TITANLITE_LAUNCH_TIME:-$(date +%s.%N)}"
   repo="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -84,19 +145,23 @@ main() {
     exit 2
   fi
 
+  not_launched_if_interrupted
+
   # One process on one node without restarts needs no torchrun: starting the trainer directly
-  # saves torchrun's own `import torch` (~4 s of CPU here) on every launch. Signals, exit
-  # statuses and outputs are the same; set TITANLITE_TORCHRUN=1 to go through torchrun anyway.
+  # saves torchrun's own `import torch` (~4 s of CPU here) on every launch. It replaces this
+  # shell (exec): signals reach it as they would reach the script (Ctrl-C included), exit
+  # statuses and outputs are the same, and no process is left behind when either ends. Set
+  # TITANLITE_TORCHRUN=1 to go through torchrun anyway.
   if [ "$NGPU" = 1 ] && [ "$NNODES" = 1 ] && [ "${MAX_RESTARTS:-0}" = 0 ] \
      && [ "${TITANLITE_TORCHRUN:-0}" != 1 ]; then
-    unset TITANLITE_ERROR_FILE
-    supervise "$py" -m titanlite.train --job.config_file "$config" "$@"
-    exit $?
+    unset TITANLITE_ERROR_FILE TITANLITE_INTERRUPT_PIDS TITANLITE_LAUNCHER_PID
+    exec "$py" -m titanlite.train --job.config_file "$config" "$@"
   fi
 
   errors="$(mktemp -t titanlite-errors.XXXXXX)"
-  trap 'rm -f "$errors"' EXIT
-  export TITANLITE_ERROR_FILE="$errors"
+  pids="$(mktemp -t titanlite-pids.XXXXXX)"
+  trap 'rm -f "$errors" "$pids"' EXIT
+  export TITANLITE_ERROR_FILE="$errors" TITANLITE_INTERRUPT_PIDS="$pids" TITANLITE_LAUNCHER_PID=$$
 
   rdzv_args=(--rdzv_backend c10d --rdzv_endpoint "${RDZV_ENDPOINT:-localhost:0}")
   # With restarts, give each attempt a fresh store: torchrun otherwise shares its rendezvous
@@ -108,12 +173,22 @@ main() {
   fi
   [ -n "${RDZV_ID:-}" ] && rdzv_args+=(--rdzv_id "$RDZV_ID")
 
-  # torchrun passes SIGTERM on to every rank, which saves and exits 75.
+  not_launched_if_interrupted
+  pids_file="$pids"
+  # torchrun passes SIGTERM on to every rank, which saves and exits 75. It handles its default
+  # signals but SIGINT, which stays ignored (a background command's) for it and for the
+  # trainers until they handle it: this script relays Ctrl-C (on_interrupt).
   supervise "$py" -m torch.distributed.run --nnodes="$NNODES" --nproc_per_node="$NGPU" \
     "${rdzv_args[@]}" --max-restarts="${MAX_RESTARTS:-0}" --local-ranks-filter "$LOG_RANK" \
-    --role rank --tee 3 -m titanlite.train --job.config_file "$config" "$@"
+    --signals-to-handle SIGTERM,SIGHUP,SIGQUIT --role rank --tee 3 \
+    -m titanlite.train --job.config_file "$config" "$@"
   status=$?
 
+  if [ "$interrupts" -ge 2 ]; then
+    echo "titanlite: stopped at once on the second Ctrl-C, nothing saved; the latest complete" \
+      "checkpoint is untouched: run the same command to resume" >&2
+    exit "$EXIT_INTERRUPTED"
+  fi
   # A rank that stopped on bad input or divergence wrote "STATUS<TAB>message" lines: repeat
   # them last, after torchrun's own report (once each: every rank writes the same), and exit
   # with the first status.

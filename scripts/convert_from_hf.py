@@ -6,6 +6,8 @@ The result is a complete titanlite checkpoint folder (DCP "model" + titanlite.js
 model_only=true), usable as ``checkpoint.initial_load_path`` or by scripts/generate.py.
 Reads config.json and model.safetensors (or a sharded index); the folder's tokenizer
 (tokenizer.json with its tokenizer_config.json, else tokenizer.model), if any, is copied in. Weights are stored in float32, as titanlite trains.
+Writing into a run's folder (e.g. outputs/debug/checkpoint/step-0), the script holds that
+folder's run.lock meanwhile, and refuses with one line while a run holds it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from titanlite import run_lock
 from titanlite.data.tokenizer import HF_TOKENIZER_FILE, SENTENCEPIECE_FILE, load_tokenizer
 from titanlite.errors import EXIT_USER_ERROR, UserError
 from titanlite.interop.checkpoint_model import save_model_checkpoint
@@ -41,22 +44,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Library warnings (e.g. a tied model saved untied) go to stderr; stdout is the result.
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        state, spec, model_args = load_hf(args.hf_dir)
-        tokenizer = None
-        has_tokenizer = any((args.hf_dir / name).is_file() for name in TOKENIZER_FILES)
-        if args.tokenizer is not None or has_tokenizer:
-            tokenizer = load_tokenizer(args.tokenizer or args.hf_dir)
-        if tokenizer is not None and tokenizer.vocab_size > model_args.vocab_size:
-            raise UserError(f"tokenizer {str(tokenizer.path)!r} has more tokens than the model")
-        state = {name: tensor.float() for name, tensor in state.items()}
-        save_model_checkpoint(
-            state,
-            spec,
-            model_args,
-            args.out,
-            tokenizer=tokenizer,
-            source=str(args.hf_dir.resolve()),
-        )
+        with run_lock.hold(args.out, "scripts/convert_from_hf.py"):
+            state, spec, model_args = load_hf(args.hf_dir)
+            tokenizer = None
+            has_tokenizer = any((args.hf_dir / name).is_file() for name in TOKENIZER_FILES)
+            if args.tokenizer is not None or has_tokenizer:
+                tokenizer = load_tokenizer(args.tokenizer or args.hf_dir)
+            if tokenizer is not None and tokenizer.vocab_size > model_args.vocab_size:
+                raise UserError(f"tokenizer {str(tokenizer.path)!r} has more tokens than the model")
+            state = {name: tensor.float() for name, tensor in state.items()}
+            save_model_checkpoint(
+                state,
+                spec,
+                model_args,
+                args.out,
+                tokenizer=tokenizer,
+                source=str(args.hf_dir.resolve()),
+            )
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR

@@ -5,7 +5,9 @@
 Writes config.json, model.safetensors (or model-0000X-of-0000Y.safetensors + an index when
 larger than --max-shard-size) and the tokenizer (sentencepiece or tokenizer.json), loadable with
 ``transformers.AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained``. The
-folder is written atomically and only replaces an empty folder or an earlier export.
+folder is written atomically and only replaces an empty folder or an earlier export. Writing
+into a run's folder, the script holds that folder's run.lock meanwhile, and refuses with one
+line while a run holds it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from titanlite import run_lock
 from titanlite.dtypes import DTYPES
 from titanlite.errors import EXIT_USER_ERROR, UserError
 from titanlite.interop.checkpoint_model import checkpoint_tokenizer, load_checkpoint_model
@@ -43,23 +46,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Library warnings (e.g. a tied model saved untied) go to stderr; stdout is the result.
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        max_shard_bytes = parse_size(args.max_shard_size)
-        loaded = load_checkpoint_model(args.checkpoint)
-        meta = loaded.meta
-        tokenizer = checkpoint_tokenizer(
-            meta, args.tokenizer, loaded.args.vocab_size, args.checkpoint
-        )
-        source = {"source": str(args.checkpoint.resolve()), "step": meta.get("step")}
-        files = save_hf(
-            loaded.model.state_dict(),
-            loaded.spec,
-            loaded.args,
-            args.out,
-            tokenizer=tokenizer,
-            dtype=DTYPES[args.dtype],
-            max_shard_bytes=max_shard_bytes,
-            source=source,
-        )
+        with run_lock.hold(args.out, "scripts/convert_to_hf.py"):
+            max_shard_bytes = parse_size(args.max_shard_size)
+            loaded = load_checkpoint_model(args.checkpoint)
+            meta = loaded.meta
+            tokenizer = checkpoint_tokenizer(
+                meta, args.tokenizer, loaded.args.vocab_size, args.checkpoint
+            )
+            source = {"source": str(args.checkpoint.resolve()), "step": meta.get("step")}
+            files = save_hf(
+                loaded.model.state_dict(),
+                loaded.spec,
+                loaded.args,
+                args.out,
+                tokenizer=tokenizer,
+                dtype=DTYPES[args.dtype],
+                max_shard_bytes=max_shard_bytes,
+                source=source,
+            )
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR

@@ -5,6 +5,9 @@ sha256 its rank recorded at save, the sidecar, and DCP's metadata (read with the
 
 A checkpoint folder (holding step-N folders) checks each complete one, newest first. Prints
 one line per checkpoint; exits 0 when all are sound, 2 when any is not (or FOLDER is none).
+It only reads, so it may run beside the training run that holds the folder (run.lock): a
+checkpoint that run retires (keep_latest_k) while it is being checked is reported as retired,
+not as damaged.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from titanlite import run_lock
 from titanlite.checkpoint import integrity
 from titanlite.checkpoint.folders import SIDECAR, complete_checkpoints, read_sidecar
 from titanlite.checkpoint.safe_reader import SafeFileSystemReader
@@ -47,10 +51,16 @@ def main(argv: list[str] | None = None) -> int:
     if not targets:
         print(f"titanlite: error: {folder}: no checkpoint there", file=sys.stderr)
         return EXIT_USER_ERROR
+    holder = run_lock.live_holder(folder)
+    if holder is not None:
+        print(f"titanlite: note: a run holds this folder ({holder.describe()})", file=sys.stderr)
     bad = 0
     for target in targets:
         started = time.perf_counter()
         found = check(target)
+        if found and holder is not None and not target.exists():
+            print(f"{target}: retired by the running run while it was checked")
+            continue
         checked = "checksums" if integrity.recorded(target) else "no checksums recorded"
         if found:
             bad += 1

@@ -62,6 +62,11 @@ class Preempted(RuntimeError):
     command resumes."""
 
 
+class Interrupted(RuntimeError):
+    """Stopped on Ctrl-C (SIGINT), after saving when checkpoints are on (EXIT_INTERRUPTED); the
+    same command resumes."""
+
+
 EXIT_OK = 0
 EXIT_USER_ERROR = 2
 """Bad input: a config, layout, file or checkpoint problem (one line on stderr)."""
@@ -73,5 +78,9 @@ The checkpoint on disk is untouched; the same command resumes from the latest co
 EXIT_PREEMPTED = 75
 """Stopped by SIGTERM/SIGUSR1 after saving a checkpoint (EX_TEMPFAIL: "try again later");
 the same command resumes, and SLURM scripts requeue the job on it."""
+EXIT_INTERRUPTED = 130
+"""Stopped by Ctrl-C (SIGINT; 128 + 2, what shells report for it): after saving the step it
+stopped at on the first Ctrl-C, at once and without saving on the second. The same command
+resumes; SLURM scripts do not requeue on it."""
 EXIT_NO_LAUNCH = 100
 """Internal, preflight -> run_train.sh: a dry run was done and there is nothing to launch."""

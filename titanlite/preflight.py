@@ -6,6 +6,8 @@ run_train.sh calls this first, with the world size it is about to launch in WORL
 that a typo or an impossible layout is one line and exit status 2 instead of a crash in
 every rank. The checks themselves live in titanlite.checks (the trainer runs them again).
 A dry run (--job.dry_run) is done here, in this one process, and nothing is launched.
+A dump folder held by a live run (titanlite.run_lock) is refused here too, before anything
+starts; the trainer takes the lock itself, for its whole life.
 """
 
 from __future__ import annotations
@@ -13,13 +15,22 @@ from __future__ import annotations
 import os
 import sys
 
+from titanlite import run_lock
 from titanlite.checks import check
 from titanlite.config import load_config
-from titanlite.errors import EXIT_NO_LAUNCH, EXIT_OK, EXIT_USER_ERROR, UserError, error_lines
+from titanlite.errors import (
+    EXIT_INTERRUPTED,
+    EXIT_NO_LAUNCH,
+    EXIT_OK,
+    EXIT_USER_ERROR,
+    UserError,
+    error_lines,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """0: go ahead; 2: bad input; EXIT_NO_LAUNCH: a dry run was done, nothing to launch."""
+    """0: go ahead; 2: bad input or a busy dump folder; EXIT_NO_LAUNCH: a dry run was done,
+    nothing to launch; EXIT_INTERRUPTED: Ctrl-C, nothing launched."""
     argv = sys.argv[1:] if argv is None else argv
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
@@ -31,9 +42,13 @@ def main(argv: list[str] | None = None) -> int:
             vocab = tokenizer.vocab_size if tokenizer else 0
             sys.stdout.write(dry_run(cfg, world_size, vocab) + "\n")
             return EXIT_NO_LAUNCH
+        run_lock.check_free(cfg.job.dump_folder)
     except UserError as e:
         sys.stderr.writelines(line + "\n" for line in error_lines(e))
         return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        sys.stderr.write("titanlite: interrupted (Ctrl-C) before the run started; nothing ran\n")
+        return EXIT_INTERRUPTED
     return EXIT_OK
 
 

@@ -1,15 +1,22 @@
-"""When every rank stops or saves together: the preemption vote and the timed-save vote.
+"""When every rank stops or saves together: the stop vote and the timed-save vote.
 
 SIGTERM/SIGUSR1 (cluster preemption, SLURM's warning signal) ask the run to finish the current
-step, save, and exit with EXIT_PREEMPTED; checkpoint.interval_minutes asks for a save once
-this rank's clock says so. Ranks get signals and read clocks at different moments, but must
-stop or save at the same step: after each step every rank votes (an asynchronous all-reduce
-of two bits), and the next step's end reads the result, so no step waits for the slowest
-rank's vote and every rank acts one step after the first one saw the signal or the time.
+step, save, and exit with EXIT_PREEMPTED; Ctrl-C (SIGINT) does the same and exits with
+EXIT_INTERRUPTED (titanlite.stop_signals records them, and handles a second Ctrl-C);
+checkpoint.interval_minutes asks for a save once this rank's clock says so. Ranks get signals
+and read clocks at different moments, but must stop or save at the same step: after each step
+every rank votes (an asynchronous all-reduce of one small integer), and the next step's end
+reads the result, so no step waits for the slowest rank's vote and every rank acts one step
+after the first one saw the signal or the time.
 
-The handlers are installed when the vote is made, before the slow start-up (model build,
-checkpoint load): a signal then must not kill the process before it can exit with
-EXIT_PREEMPTED.
+The handlers are in place when the vote is made at the latest, before the slow start-up
+(model build, checkpoint load): a signal then must not kill the process before it can exit
+with its status.
+
+A vote is one integer, reduced with MAX: ``level << 1 | save_due``, the level 0 (go on), 1
+(preempted) or 2 (interrupted). So any stop outweighs a timed save (the stop saves anyway),
+and a Ctrl-C on one rank outweighs a preemption on another: the user asked for the run to
+end, and SLURM must not requeue it.
 """
 
 from __future__ import annotations
@@ -21,10 +28,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from titanlite import distributed
-from titanlite.errors import Preempted
+from titanlite import distributed, stop_signals
+from titanlite.errors import Interrupted, Preempted
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+PREEMPTED, INTERRUPTED = 1, 2  # vote levels
 
 
 class StopVote:
@@ -36,13 +43,27 @@ class StopVote:
         self.interval_minutes = interval_minutes
         self.signal: int | None = None
         """The stop signal this rank got (-1: another rank's), None while there is none."""
+        self.level = 0
+        """Why the run stops: 0 it does not, PREEMPTED or INTERRUPTED (the ranks' maximum)."""
         self._vote: tuple[Any, torch.Tensor] | None = None  # the all-reduce in flight
         self._last_save = time.monotonic()
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, self._request_stop)
+        stop_signals.install()
 
-    def _request_stop(self, signum: int, frame: object) -> None:
-        self.signal = signum
+    def _local_level(self) -> int:
+        if stop_signals.interrupted():
+            self.signal = signal.SIGINT
+            return INTERRUPTED
+        if stop_signals.preempt_signal() is not None:
+            self.signal = stop_signals.preempt_signal()
+            return PREEMPTED
+        return 0
+
+    def _agree(self, level: int) -> bool:
+        """Take the ranks' level; whether the run stops."""
+        self.level = max(self.level, level)
+        if self.level and self.signal is None:
+            self.signal = -1  # another rank's signal
+        return self.level > 0
 
     def saved(self) -> None:
         """A checkpoint was just saved: the timed-save clock starts again."""
@@ -50,18 +71,26 @@ class StopVote:
 
     def stop_if_signalled_during_startup(self, next_step: int) -> None:
         """A stop signal that came during start-up: raise Preempted before the first step,
-        with nothing new to save (one blocking vote, once)."""
-        signalled = self.signal is not None
+        with nothing new to save (one blocking vote, once); Interrupted after a Ctrl-C."""
+        level = self._local_level()
         if self.world_size > 1:
-            flag = torch.tensor(int(signalled))
-            signalled = bool(int(distributed.all_reduce(flag, dist.ReduceOp.MAX)))
-        if signalled:
-            if self.signal is None:
-                self.signal = -1  # another rank's signal
-            raise Preempted(
-                f"stopped during start-up on signal {self.signal}, before step {next_step}; "
-                "nothing new to save"
-            )
+            flag = torch.tensor(level)
+            level = int(distributed.all_reduce(flag, dist.ReduceOp.MAX))
+        if self._agree(level):
+            raise self.stopped(next_step, saved=False, startup=True)
+
+    def stopped(self, step: int, saved: bool, startup: bool = False) -> RuntimeError:
+        """The exception that ends a run the vote stopped: at ``step`` (``saved``: its
+        checkpoint is complete), or during start-up, before ``step``."""
+        if self.level == INTERRUPTED:
+            where = f"during start-up, before step {step}" if startup else f"at step {step}"
+            done = "checkpoint saved" if saved else "nothing new to save"
+            return Interrupted(f"interrupted (Ctrl-C) {where}; {done}")
+        if startup:
+            return Preempted(f"stopped during start-up on signal {self.signal}, before step "
+                             f"{step}; nothing new to save")  # fmt: skip
+        done = "; checkpoint saved" if saved else ""
+        return Preempted(f"stopped at step {step} on signal {self.signal}{done}")
 
     def _save_due(self) -> bool:
         minutes = self.interval_minutes
@@ -71,18 +100,15 @@ class StopVote:
         """(whether any rank got a stop signal, whether any rank's clock says a timed save is
         due): the vote started at the end of the previous step."""
         if self.world_size == 1:
-            return self.signal is not None, self._save_due()
+            return self._agree(self._local_level()), self._save_due()
         votes = self.settle()
-        stop = bool(votes & 1)
-        if stop and self.signal is None:
-            self.signal = -1  # another rank's signal
-        return stop, bool(votes & 2)
+        return self._agree(votes >> 1), bool(votes & 1)
 
     def start(self) -> None:
         """Vote for the next ``read`` (asynchronous)."""
         if self.world_size == 1:
             return
-        votes = int(self.signal is not None) | (int(self._save_due()) << 1)
+        votes = self._local_level() << 1 | int(self._save_due())
         flag = torch.tensor(votes)  # CPU: over gloo
         self._vote = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
 

@@ -5,7 +5,11 @@
 Normally started by ./run_train.sh through torchrun; a plain single process works too.
 Exit statuses are those of titanlite.errors: 0 done, 2 bad input (a line per problem on stderr),
 3 the loss became non-finite, 4 a rank was lost (a collective failed or timed out), 75 stopped by SIGTERM/SIGUSR1 after saving a checkpoint (run
-the same command to resume).
+the same command to resume), 130 stopped by Ctrl-C (the first saves the step it stopped at,
+a second stops at once; the same command resumes).
+
+Only torch-free modules are imported before the signal handlers are in place: importing torch
+takes seconds, and a Ctrl-C meanwhile must be the same orderly stop as later.
 """
 
 from __future__ import annotations
@@ -16,21 +20,20 @@ import os
 import signal
 import sys
 
-from titanlite import distributed
-from titanlite.config import help_text, load_config, parse_cli
+from titanlite import run_lock, stop_signals
 from titanlite.errors import (
     EXIT_COMM_FAILURE,
     EXIT_DIVERGED,
+    EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_PREEMPTED,
     EXIT_USER_ERROR,
+    Interrupted,
     Preempted,
     TrainingDiverged,
     UserError,
     error_lines,
 )
-from titanlite.heartbeat import CommFailure, failure_message, is_comm_failure
-from titanlite.trainer import Trainer
 
 logger = logging.getLogger("titanlite.train")
 
@@ -55,6 +58,12 @@ def record_status(lines: list[str], status: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    stop_signals.install()  # first: the imports below take seconds (torch)
+    from titanlite import distributed
+    from titanlite.config import help_text, load_config, parse_cli
+    from titanlite.heartbeat import CommFailure, failure_message, is_comm_failure
+    from titanlite.trainer import Trainer
+
     distributed.setup_logging()
     trainer = None
     lost = False  # a rank is gone: nothing collective may run any more
@@ -76,11 +85,15 @@ def main(argv: list[str] | None = None) -> int:
     except CommFailure as e:
         lost = True
         return report_error(e, EXIT_COMM_FAILURE)
+    except Interrupted as e:
+        line = f"titanlite: {e}; run the same command to resume"
+        sys.stderr.write(line + "\n")  # the user pressed Ctrl-C: the answer goes to the terminal
+        return record_status([line], EXIT_INTERRUPTED)
     except Preempted as e:
         logger.warning("%s; exiting with status %d so the job can be requeued", e, EXIT_PREEMPTED)
         # Not an error, but the launcher must see 75 (torchrun itself exits 1).
         return record_status([f"titanlite: {e}; run the same command to resume"], EXIT_PREEMPTED)
-    except RuntimeError as e:  # last: Preempted and TrainingDiverged are RuntimeErrors too
+    except RuntimeError as e:  # last: the stops and TrainingDiverged are RuntimeErrors too
         if not (is_comm_failure(e) and distributed.world_size() > 1):
             raise
         lost = True
@@ -89,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         if trainer is not None:  # already failing: a second error would hide the first
             with contextlib.suppress(UserError):
                 trainer.close(abandon=lost)
+        run_lock.release_held()  # also when the Trainer failed to start
         if not lost:  # tearing down groups with a dead peer can hang (NCCL)
             distributed.shutdown()
         # Done (or failed): SIGTERM means "exit now" again, as torchrun means it when it stops

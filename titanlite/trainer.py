@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from titanlite import converters, distributed, heartbeat, run_info
+from titanlite import converters, distributed, heartbeat, run_info, run_lock
 from titanlite.checkpoint.checkpointer import Checkpointer, ModelIdentity, will_load_weights
 from titanlite.checkpoint.states import TrainState, build_states
 from titanlite.checks import build_model_args, check
@@ -26,7 +26,7 @@ from titanlite.data.batches import IGNORE_INDEX
 from titanlite.data.build import build_training_data
 from titanlite.data.documents import DocumentMask
 from titanlite.dtypes import DTYPES
-from titanlite.errors import Preempted, TrainingDiverged
+from titanlite.errors import TrainingDiverged
 from titanlite.loss import cross_entropy_sum
 from titanlite.metrics import format_duration, model_state_bytes
 from titanlite.models.layers import count_params
@@ -55,6 +55,8 @@ class Trainer:
         self.vote = StopVote(world_size, c.interval_minutes if c.enable else 0.0)
         self.tokenizer = check(cfg, world_size)
         self.dist = distributed.init(t.seed, cfg.comm.init_timeout_seconds)
+        # One run per dump folder (titanlite.run_lock), before anything is written there.
+        run_lock.take_for_run(cfg.job.dump_folder, self.dist, cfg.comm.init_timeout_seconds)
         # Who is alive, for naming a lost rank when a collective fails (titanlite.heartbeat).
         self.heartbeat = heartbeat.Heartbeat(
             self.dist.rank, self.dist.world_size, cfg.comm.init_timeout_seconds
@@ -222,13 +224,10 @@ class Trainer:
         if self.validator.due(step, last):
             self.validator.validate(self.model, step, self.metrics)
         stop, timed_save = self.vote.read()
-        if stop:
+        if stop:  # a preemption or Ctrl-C: save this step, then exit 75 or 130
             if self.cfg.checkpoint.enable:
                 self.checkpointer.save(step, force_sync=True)
-            raise Preempted(
-                f"stopped at step {step} on signal {self.vote.signal}"
-                + ("; checkpoint saved" if self.cfg.checkpoint.enable else "")
-            )
+            raise self.vote.stopped(step, saved=self.cfg.checkpoint.enable)
         if self.checkpointer.should_save(step, last=last) or timed_save:
             if timed_save:
                 logger.info("saving at step %d: checkpoint.interval_minutes passed", step)
@@ -295,3 +294,4 @@ class Trainer:
             heartbeat.ACTIVE = None
         self.checkpointer.close(abandon=abandon or self.lost)
         self.metrics.close()
+        run_lock.release_held()  # rank 0's, once everything is written

@@ -12,7 +12,7 @@ import sys
 import typing
 
 from titanlite.config.render import registry_choices, toml_value
-from titanlite.config.schema import field_docs, field_types, sections, type_name
+from titanlite.config.schema import field_docs, field_types, keys, sections, type_name
 from titanlite.config.torchtitan import mapping_table_markdown
 
 
@@ -28,17 +28,17 @@ def reference() -> str:
     for section, cls in sections().items():
         lines += [f"## [{section}]", "", "| key | type | default | meaning |", "|---|---|---|---|"]
         docs, types_, defaults = field_docs(cls), field_types(cls), cls()
-        for f in dataclasses.fields(cls):
-            default = getattr(defaults, f.name)
+        for key in keys(cls):
+            default = getattr(defaults, key)
             shown = "unset" if default is None else toml_value(default)
-            kind = type_name(types_[f.name]).replace("|", " \\| ")
-            meaning = "; ".join([docs.get(f.name, ""), *registry_choices(f"{section}.{f.name}")])
-            lines.append(f"| `{f.name}` | {kind} | `{shown}` | {meaning.replace('|', '/')} |")
+            kind = type_name(types_[key]).replace("|", " \\| ")
+            meaning = "; ".join([docs.get(key, ""), *registry_choices(f"{section}.{key}")])
+            lines.append(f"| `{key}` | {kind} | `{shown}` | {meaning.replace('|', '/')} |")
         lines.append("")
-        for f in dataclasses.fields(cls):  # lists of tables: their keys
-            inner = typing.get_args(types_[f.name])
-            if typing.get_origin(types_[f.name]) is list and dataclasses.is_dataclass(inner[0]):
-                lines += table_keys(f"{section}.{f.name}", inner[0])
+        for key in keys(cls):  # lists of tables: their keys
+            inner = typing.get_args(types_[key])
+            if typing.get_origin(types_[key]) is list and dataclasses.is_dataclass(inner[0]):
+                lines += table_keys(f"{section}.{key}", inner[0])
     return "\n".join(lines) + "\n" + mapping_table_markdown()
 
 

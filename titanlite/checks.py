@@ -26,9 +26,8 @@ from titanlite.paths import resolve_path
 
 
 def model_overrides(cfg: JobConfig) -> dict[str, Any]:
-    """The model.* shape overrides the config sets (unset ones are None and left out)."""
-    every = {name for spec in models.REGISTRY.values() for name in spec.overrides}
-    return {k: getattr(cfg.model, k) for k in sorted(every) if getattr(cfg.model, k) is not None}
+    """The model.* shape fields the config sets (the families' fields; unset ones left out)."""
+    return dict(sorted(cfg.model.overrides.items()))
 
 
 def build_model_args(cfg: JobConfig, tokenizer_vocab: int) -> tuple[ModelSpec, Any]:

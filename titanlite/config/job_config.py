@@ -7,8 +7,10 @@ and checks live in ``titanlite.config.parse``.
 
 from __future__ import annotations
 
+import functools
+import typing
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from titanlite.errors import UserError
 from titanlite.optim.rules import ParamGroupRule
@@ -34,6 +36,11 @@ class Job:
 
 @dataclass
 class Model:
+    """[model]: the fixed keys below, and the shape fields of the families (``model.dim``,
+    ``model.num_experts``, ...): any field a registered family lets a config override (its
+    spec's ``overrides``; --help lists them) is read and written as a key of this section,
+    and held in ``overrides``. A family adds such keys in its own folder, not here."""
+
     name: str = "llama3"
     """Model family, one of the registry's (docs/models.md; --help lists them)."""
     flavor: str = "debugmodel"
@@ -42,48 +49,58 @@ class Model:
     """Tokenizer: a sentencepiece .model, a Hugging Face tokenizer.json, or a folder holding either (e.g. a downloaded model folder); the vocabulary size follows it."""
     vocab_size: int | None = None
     """Embedding rows (unset = the tokenizer's vocabulary size; if set, at least that). Lets a dry run go without a tokenizer file."""
-    dim: int | None = None
-    """Override the flavor's hidden size (every override below applies to the families whose shapes have that field)."""
-    n_layers: int | None = None
-    """Override the flavor's number of transformer blocks."""
-    n_heads: int | None = None
-    """Override the flavor's number of query heads."""
-    n_kv_heads: int | None = None
-    """Override the flavor's number of key/value heads (grouped-query attention)."""
-    head_dim: int | None = None
-    """Override the flavor's size of one attention head (qwen3; llama3 derives it as dim / n_heads)."""
-    hidden_dim: int | None = None
-    """Override the flavor's feed-forward width (qwen3; llama3 derives it from ffn_dim_multiplier and multiple_of)."""
-    ffn_dim_multiplier: float | None = None
-    """Override the flavor's feed-forward width multiplier (llama3)."""
-    multiple_of: int | None = None
-    """Override: the feed-forward width is rounded up to a multiple of this (llama3)."""
-    rope_theta: float | None = None
-    """Override the flavor's RoPE base frequency."""
-    norm_eps: float | None = None
-    """Override the flavor's RMSNorm epsilon."""
-    tie_embeddings: bool | None = None
-    """Override whether the output projection shares the token embedding's weight."""
-    num_experts: int | None = None
-    """Override the number of experts in each mixture-of-experts layer (qwen3_moe)."""
-    top_k: int | None = None
-    """Override how many experts each token goes to (qwen3_moe)."""
-    moe_hidden_dim: int | None = None
-    """Override the width of each expert's SwiGLU (qwen3_moe)."""
-    score_func: Literal["softmax", "sigmoid"] | None = None
-    """Override how the router scores experts: softmax over all, or a sigmoid each (qwen3_moe)."""
-    norm_topk: bool | None = None
-    """Override whether the chosen experts' weights are renormalized to sum to one (qwen3_moe)."""
-    shared_experts: int | None = None
-    """Override the number of shared experts every token also goes through (qwen3_moe)."""
-    aux_loss_coef: float | None = None
-    """Override the weight of the sequence-wise load-balancing loss (qwen3_moe; 0 = none)."""
-    bias_update_rate: float | None = None
-    """Override the auxiliary-loss-free balancing rate: each expert's routing bias moves by this much per step towards an even load (qwen3_moe; 0 = off)."""
-    capacity_factor: float | None = None
-    """Override the expert capacity as a multiple of an even share (qwen3_moe; 0 = dropless)."""
     converters: list[str] = field(default_factory=list)
     """Model converters applied in this order before parallelization (titanlite.converters; --help lists them)."""
+    overrides: dict[str, Any] = field(default_factory=dict, metadata={"key": False})
+    """The family fields this config sets (read and written as model.FIELD)."""
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for names that are not attributes: the families' fields, None when unset.
+        if name != "overrides" and not name.startswith("__") and name in family_fields():
+            return self.__dict__.get("overrides", {}).get(name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self.__dataclass_fields__ or name not in family_fields():
+            object.__setattr__(self, name, value)
+        elif value is None:
+            self.overrides.pop(name, None)
+        else:
+            self.overrides[name] = value
+
+
+@dataclass(frozen=True)
+class FamilyField:
+    """A shape field families let a config override: its type, what it means, who has it."""
+
+    type: Any
+    doc: str
+    families: tuple[str, ...]
+
+
+def family_fields() -> dict[str, FamilyField]:
+    """model.FIELD keys from the model registry: every field some family overrides, in the
+    order the families list them (its type made optional: unset keeps the flavor's)."""
+    return _family_fields()
+
+
+@functools.cache
+def _family_fields() -> dict[str, FamilyField]:
+    from titanlite import models
+    from titanlite.docstrings import field_docs
+
+    found: dict[str, FamilyField] = {}
+    for name, spec in models.REGISTRY.items():
+        hints, docs = typing.get_type_hints(spec.args_cls), field_docs(spec.args_cls)
+        for key in spec.overrides:
+            if key in found:
+                old = found[key]
+                found[key] = FamilyField(
+                    old.type, old.doc or docs.get(key, ""), (*old.families, name)
+                )
+            else:
+                found[key] = FamilyField(hints[key] | None, docs.get(key, ""), (name,))
+    return found
 
 
 @dataclass

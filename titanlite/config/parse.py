@@ -28,6 +28,7 @@ from titanlite.config.schema import (
     dataset_name,
     field_docs,
     field_types,
+    keys,
     sections,
     split_optional,
     type_name,
@@ -171,7 +172,7 @@ def _unknown(kind: str, name: str, known: list[str]) -> ConfigError:
 
 
 def _all_keys() -> list[str]:
-    return [f"{s}.{f.name}" for s, cls in sections().items() for f in dataclasses.fields(cls)]
+    return [f"{s}.{key}" for s, cls in sections().items() for key in keys(cls)]
 
 
 def _lookup(key: str) -> tuple[str, str, Any]:

@@ -9,7 +9,7 @@ import json
 from typing import Any
 
 from titanlite.config.job_config import JobConfig
-from titanlite.config.schema import field_docs, field_types, sections, type_name
+from titanlite.config.schema import field_docs, field_types, keys, sections, type_name
 
 
 def to_toml(cfg: JobConfig) -> str:
@@ -18,12 +18,12 @@ def to_toml(cfg: JobConfig) -> str:
     for section in sections():
         lines.append(f"[{section}]")
         obj = getattr(cfg, section)
-        for f in dataclasses.fields(obj):
-            value = getattr(obj, f.name)
+        for key in keys(type(obj)):
+            value = getattr(obj, key)
             if value is None:
-                lines.append(f"# {f.name} = (unset)")
+                lines.append(f"# {key} = (unset)")
             else:
-                lines.append(f"{f.name} = {toml_value(value)}")
+                lines.append(f"{key} = {toml_value(value)}")
         lines.append("")
     return "\n".join(lines)
 
@@ -57,12 +57,12 @@ def help_text() -> str:
         docs = field_docs(cls)
         types_ = field_types(cls)
         defaults = cls()
-        for f in dataclasses.fields(cls):
-            default = getattr(defaults, f.name)
+        for key in keys(cls):
+            default = getattr(defaults, key)
             shown = "unset" if default is None else toml_value(default)
-            lines.append(f"  --{section}.{f.name}  ({type_name(types_[f.name])}, default {shown})")
-            lines.append(f"      {docs.get(f.name, '')}")
-            lines.extend(f"      {line}" for line in registry_choices(f"{section}.{f.name}"))
+            lines.append(f"  --{section}.{key}  ({type_name(types_[key])}, default {shown})")
+            lines.append(f"      {docs.get(key, '')}")
+            lines.extend(f"      {line}" for line in registry_choices(f"{section}.{key}"))
     return "\n".join(lines)
 
 

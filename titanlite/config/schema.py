@@ -7,16 +7,14 @@ Plain Python: no torch (the launcher's preflight parses configs).
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import functools
-import inspect
 import os
 import types
 import typing
 from typing import Any, Literal
 
-from titanlite.config.job_config import DatasetEntry, JobConfig
+from titanlite import docstrings
+from titanlite.config.job_config import DatasetEntry, JobConfig, Model, family_fields
 
 
 def sections() -> dict[str, type]:
@@ -25,26 +23,33 @@ def sections() -> dict[str, type]:
     return {f.name: hints[f.name] for f in dataclasses.fields(JobConfig)}
 
 
-@functools.cache
 def field_docs(cls: type) -> dict[str, str]:
-    """The docstring written under each field of a dataclass (what --help shows)."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for stmt, nxt in zip(body, [*body[1:], None], strict=True):
-        if (
-            isinstance(stmt, ast.AnnAssign)
-            and isinstance(stmt.target, ast.Name)
-            and isinstance(nxt, ast.Expr)
-            and isinstance(nxt.value, ast.Constant)
-            and isinstance(nxt.value.value, str)
-        ):
-            docs[stmt.target.id] = " ".join(nxt.value.value.split())
+    """The docstring under each key of a section (for [model], the families' fields too:
+    their own docstrings, with the families that have them)."""
+    docs = dict(docstrings.field_docs(cls))
+    if cls is Model:
+        for name, f in family_fields().items():
+            docs[name] = f"{f.doc} ({', '.join(f.families)})".lstrip()
     return docs
 
 
 def field_types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    """Key -> type of a section's keys (for [model], the families' fields too)."""
+    hints = typing.get_type_hints(cls)
+    if cls is not Model:
+        return hints
+    own = {f.name for f in dataclasses.fields(cls) if f.metadata.get("key", True)}
+    return {
+        **{k: v for k, v in hints.items() if k in own},
+        **{name: f.type for name, f in family_fields().items()},
+    }
+
+
+def keys(cls: type) -> list[str]:
+    """A section's keys in order: its fields (not the internal ones), and for [model] the
+    families' fields after them."""
+    own = [f.name for f in dataclasses.fields(cls) if f.metadata.get("key", True)]
+    return own + list(family_fields()) if cls is Model else own
 
 
 def split_optional(tp: Any) -> tuple[Any, bool]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from titanlite.config.job_config import JobConfig, Training
+from titanlite.config.schema import field_types, sections
 from titanlite.config.torchtitan_keys import (
     ANY,
     ATTENTION_SUFFIXES,
@@ -61,14 +62,12 @@ def _show(value: Any) -> str:
 
 @functools.cache
 def _titanlite_types() -> dict[str, Any]:
-    """'section.key' -> type of every titanlite field, in schema order."""
+    """'section.key' -> type of every titanlite key, in schema order (the optimizer's name is
+    one of the registry's, in any case)."""
     types_: dict[str, Any] = {}
-    for section, cls in typing.get_type_hints(JobConfig).items():
-        types_.update({f"{section}.{k}": tp for k, tp in typing.get_type_hints(cls).items()})
-    names = [
-        n for entry in OPTIMIZERS for n in (entry, entry.upper(), {"adamw": "AdamW"}.get(entry))
-    ]
-    types_["optimizer.name"] = Literal[tuple(n for n in names if n)]  # the registry's
+    for section, cls in sections().items():
+        types_.update({f"{section}.{k}": tp for k, tp in field_types(cls).items()})
+    types_["optimizer.name"] = Literal[tuple(OPTIMIZERS)]
     return types_
 
 

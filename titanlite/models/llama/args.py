@@ -11,16 +11,25 @@ from titanlite.models.decoder_spec import check_decoder_shape
 @dataclass
 class LlamaArgs:
     dim: int = 4096
+    """Hidden size (the width of the residual stream)."""
     n_layers: int = 32
+    """Number of transformer blocks."""
     n_heads: int = 32
+    """Number of query heads."""
     n_kv_heads: int | None = None
+    """Number of key/value heads (grouped-query attention; unset = n_heads)."""
     vocab_size: int = -1  # set from the tokenizer
     multiple_of: int = 256
+    """The feed-forward width is rounded up to a multiple of this."""
     ffn_dim_multiplier: float | None = None
+    """Multiplier of the feed-forward width (2/3 of 4 x dim before rounding)."""
     norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
     rope_theta: float = 500000.0
+    """RoPE base frequency."""
     max_seq_len: int = 2048
     tie_embeddings: bool = False
+    """The output projection shares the token embedding's weight."""
 
     # Architecture constants of the family (not fields: never saved or overridden).
     qk_norm: ClassVar[bool] = False

@@ -18,16 +18,25 @@ QWEN3_VOCAB = 151936
 @dataclass
 class Qwen3Args:
     dim: int = 4096
+    """Hidden size (the width of the residual stream)."""
     n_layers: int = 36
+    """Number of transformer blocks."""
     n_heads: int = 32
+    """Number of query heads."""
     n_kv_heads: int = 8
+    """Number of key/value heads (grouped-query attention)."""
     head_dim: int = 128
+    """Size of one attention head (Qwen3 states it; it need not be dim / n_heads)."""
     hidden_dim: int = 12288
+    """Feed-forward (SwiGLU) width."""
     vocab_size: int = -1  # set from the tokenizer
     norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
     rope_theta: float = 1_000_000.0
+    """RoPE base frequency."""
     max_seq_len: int = 4096
     tie_embeddings: bool = False
+    """The output projection shares the token embedding's weight."""
 
     qk_norm: ClassVar[bool] = True
     rope_style: ClassVar[str] = "halves"  # rotate_half, as Qwen3's checkpoints expect

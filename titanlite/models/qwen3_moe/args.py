@@ -10,7 +10,7 @@ layer's own (``titanlite.models.moe``), so later families reuse them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from titanlite.models.decoder_spec import check_decoder_shape
 
@@ -20,21 +20,31 @@ SCORE_FUNCS = ("softmax", "sigmoid")
 @dataclass
 class Qwen3MoeArgs:
     dim: int = 2048
+    """Hidden size (the width of the residual stream)."""
     n_layers: int = 48
+    """Number of transformer blocks."""
     n_heads: int = 32
+    """Number of query heads."""
     n_kv_heads: int = 4
+    """Number of key/value heads (grouped-query attention)."""
     head_dim: int = 128
+    """Size of one attention head."""
     vocab_size: int = -1  # set from the tokenizer
     norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
     rope_theta: float = 1_000_000.0
+    """RoPE base frequency."""
     max_seq_len: int = 4096
     tie_embeddings: bool = False
+    """The output projection shares the token embedding's weight."""
     # The mixture of experts in every layer.
     num_experts: int = 128
+    """Experts in each mixture-of-experts layer."""
     top_k: int = 8
+    """Experts each token goes to."""
     moe_hidden_dim: int = 768
     """Width of each expert's SwiGLU."""
-    score_func: str = "softmax"
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
     """How the router scores experts: softmax over all of them, or an independent sigmoid each."""
     norm_topk: bool = True
     """Renormalize the chosen experts' weights to sum to one."""

@@ -41,6 +41,8 @@ UNSET_ENV = (
     "WANDB_API_KEY", "WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR",
     # titanlite's launcher and debugging variables.
     "TITANLITE_ERROR_FILE", "TITANLITE_LAUNCH_TIME", "TITANLITE_CUDA_SYNC_CHECK",
+    "TITANLITE_INTERRUPT_PIDS", "TITANLITE_LAUNCHER_PID", "TITANLITE_REQUEUE",
+    "TITANLITE_RESIGNAL_S", "TITANLITE_SRUN_WAIT",
 )  # fmt: skip
 
 
@@ -134,10 +136,14 @@ def _stop_worker_pools() -> Iterator[None]:
 # The longest files (measured with --durations, BENCHMARKS.md "Test suite"), longest first.
 # scripts/test.sh runs two xdist workers that take whole files in collection order
 # (--dist loadfile --no-loadscope-reorder): started first, these run side by side with the
-# short files filling in after them, instead of meeting at the end.
+# short files filling in after them, instead of meeting at the end. The SLURM file leads: it
+# is the longest in wall time but mostly waits (for its jobs, SLURM's requeue, the daemons),
+# so the other worker's pool files use the cores meanwhile; it takes no second file until
+# two of its four tests are left.
 LONGEST_FIRST = (
-    "test_pipeline.py", "test_train_e2e.py", "test_cluster.py", "test_parity.py",
-    "test_checkpoint.py", "test_resume_layouts.py", "test_observability.py",
+    "test_cluster.py", "test_pipeline.py", "test_train_e2e.py", "test_parity.py",
+    "test_checkpoint.py", "test_reliability.py", "test_resume_layouts.py", "test_moe.py",
+    "test_observability.py", "test_tokens.py",
 )  # fmt: skip
 
 

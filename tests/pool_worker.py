@@ -156,6 +156,14 @@ def _clear_dtensor_caches() -> None:
         _redistribute.clear_redistribute_planner_cache()
     if hasattr(_redistribute._gen_transform_infos, "cache_clear"):
         _redistribute._gen_transform_infos.cache_clear()
+    # Keyed by mesh, it also kept every mesh of the call alive, and with them their destroyed
+    # groups' gloo threads: 8 process groups' worth (24 threads) per worker after a tp=2 run,
+    # whose polling cost each idle worker about 0.5% of a core for the rest of the session.
+    from torch.distributed.tensor import _collective_utils
+
+    topology = getattr(_collective_utils, "MeshTopoInfo", None)
+    if hasattr(getattr(topology, "build_from_mesh", None), "cache_clear"):
+        topology.build_from_mesh.cache_clear()
 
 
 def _call(module: str, qualname: str, rank: int, world: int, kwargs: dict[str, Any]) -> Any:
@@ -201,6 +209,11 @@ def serve(
         conn.send(("failed", traceback.format_exc()))
         return
     conn.send(("ready", os.getpid()))
+    # What exists now (torch and the other preloaded modules, forked from the forkserver) lives
+    # as long as the worker: moved out of the collector's sight, the full collection after each
+    # call (and those the interpreter runs itself during a call) scans only what scenarios made:
+    # 35 ms instead of 130 ms per rank and call, and the forked pages stay shared.
+    gc.freeze()
     # INFO records are created (and captured), not printed: the root logger has no handler.
     logging.getLogger().setLevel(logging.INFO)
     state = _State()

@@ -834,22 +834,30 @@ def test_initial_load_path_loads_weights_and_starts_at_step_1(
 
 
 def test_verify_checkpoint_script_names_the_damaged_file(
-    tmp_path: Path, baseline: tuple[Path, dict]
+    tmp_path: Path, baseline: tuple[Path, dict], capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """The damaged folder through the script as a user runs it (a process of its own: exit
+    status and output); the other verdicts through its main() here, the same code without a
+    process start-up each."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import verify_checkpoint
+
     base_run, _ = baseline
     run_dir = tmp_path / "run"
     copy_steps(base_run, run_dir, 4, 8)
     folder = run_dir / "checkpoint"
-    script = [sys.executable, str(REPO / "scripts" / "verify_checkpoint.py")]
 
     def verify(path: Path) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([*script, str(path)], capture_output=True, text=True, timeout=300)
+        status = verify_checkpoint.main([str(path)])
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess([str(path)], status, out.out, out.err)
 
     good = verify(folder)
     assert good.returncode == 0, good.stdout + good.stderr
     assert good.stdout.count(": ok (") == 2 and "checksums" in good.stdout
     _flip_byte(folder / "step-8" / "__0_0.distcp")
-    bad = verify(folder)
+    script = [sys.executable, str(REPO / "scripts" / "verify_checkpoint.py"), str(folder)]
+    bad = subprocess.run(script, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2
     lines = bad.stdout.splitlines()
     assert "step-8: DAMAGED: __0_0.distcp: checksum mismatch" in lines[0], lines

@@ -19,7 +19,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -147,18 +146,16 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
-    """One process, global batch 2 (test_parity shows every layout matches one process)."""
-    folder = tmp_path_factory.mktemp("baseline")
-    out = folder / "run"
-    # The trainer straight away (no preflight, no torchrun): the cheapest correct baseline.
-    result = subprocess.run(
-        [sys.executable, "-m", "titanlite.train", "--job.config_file", CONFIG, *TINY,
-         "--training.local_batch_size", "2", "--checkpoint.enable", "false",
-         "--job.dump_folder", str(out)],
-        cwd=REPO, env=subprocess_env(folder, OMP_NUM_THREADS="1"), capture_output=True,
-        text=True, timeout=WAIT_S,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    """One process, global batch 2 (test_parity shows every layout matches one process).
+    The trainer on a rank of the reused worker pool (tests/pool.py; one intra-op thread):
+    the cheapest correct baseline, with no process to start."""
+    import train_scenarios
+    from pool import get_pool
+
+    out = tmp_path_factory.mktemp("baseline") / "run"
+    argv = [*TINY, "--training.local_batch_size", "2", "--checkpoint.enable", "false",
+            "--job.dump_folder", str(out)]  # fmt: skip
+    get_pool(1).run(train_scenarios.train, argv=argv, timeout=WAIT_S)
     curve = losses(out)
     assert len(set(curve.values())) == STEPS  # the model trains: every loss differs
     return curve

@@ -264,13 +264,23 @@ def losses(run: dict) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in run["records"] if "loss" in r}
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """The baseline of both training tests: one process, global batch 4, 8 steps, saving at
+    step 4 (its run folder, and what train returned)."""
+    out = tmp_path_factory.mktemp("moe") / "one"
+    return out, train(1, out, 4)
+
+
 @pytest.mark.slow
-def test_data_parallel_layouts_match_one_process_and_resume_across_them(tmp_path: Path) -> None:
+def test_data_parallel_layouts_match_one_process_and_resume_across_them(
+    tmp_path: Path, one_process: tuple[Path, dict]
+) -> None:
     """qwen3_moe debug (2 layers), fp32, dropless, with the aux loss and the bias update on:
     FSDP over 2 ranks and titanlite's DDP engine over 2 ranks against one process with the
     same global batch, 8 steps (relative loss difference <= 1e-5); the 2-rank step-4
     checkpoint resumes on 1 process; the metrics carry expert load and aux loss."""
-    one = train(1, tmp_path / "one", 4)
+    _, one = one_process
     base = losses(one)
     assert sorted(base) == list(range(1, 9)) and base[8] < base[1]
     record = one["records"][-1]
@@ -326,14 +336,14 @@ def test_expert_parallel_dispatch_matches_local_experts(world: int) -> None:
 
 @pytest.mark.slow
 def test_expert_parallel_layouts_match_one_process_and_resume_across_degrees(
-    tmp_path: Path,
+    tmp_path: Path, one_process: tuple[Path, dict]
 ) -> None:
     """qwen3_moe debug (8 experts), fp32, dropless, aux loss and bias update on: ep 2 (2
     ranks), ep 4, ep 2 x dp_shard 2, ep 2 x tp 2 and ep 2 x pp 2 (4 ranks) against one process
     with the same global batch, 8 steps (relative loss and gradient-norm differences <= 1e-5,
     and the same expert load at the last step); an ep-2 checkpoint resumes on 1 process and a
     1-process one on ep 4."""
-    one = train(1, tmp_path / "one", 4)
+    one_dir, one = one_process
     base = losses(one)
     base_norm = {r["step"]: r["grad_norm"] for r in one["records"] if "grad_norm" in r}
     worst = {}
@@ -355,10 +365,9 @@ def test_expert_parallel_layouts_match_one_process_and_resume_across_degrees(
     print(f"expert parallelism, worst relative loss difference: {worst}")
     assert all(v <= 1e-5 for v in worst.values()), worst
     gaps = {}
-    for name, source, world, ep in (("ep2->1", "ep2", 1, 1), ("1->ep4", "one", 4, 4)):
+    for name, source, world, ep in (("ep2->1", tmp_path / "ep2", 1, 1), ("1->ep4", one_dir, 4, 4)):
         folder = tmp_path / f"resume_{world}"
-        shutil.copytree(tmp_path / source / "checkpoint" / "step-4",
-                        folder / "checkpoint" / "step-4")  # fmt: skip
+        shutil.copytree(source / "checkpoint" / "step-4", folder / "checkpoint" / "step-4")
         run = losses(train(world, folder, 4 // world, "--parallelism.expert_parallel_degree",
                            str(ep)))  # fmt: skip
         assert sorted(run) == list(range(5, 9)), run

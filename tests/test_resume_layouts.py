@@ -88,14 +88,26 @@ def baselines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path,
     return result
 
 
+@pytest.fixture(scope="module")
+def one_process_weights() -> dict[str, dict[str, torch.Tensor]]:
+    """Per family, the initial weights of one process (gathered once, on first use)."""
+    return {}
+
+
 @pytest.mark.parametrize("family", ["llama3", "qwen3"])
 @pytest.mark.parametrize(
     "layout", ["dp_shard2", "dp_shard2_tp2", "dp_replicate2_tp2", "cp2_dp_shard2"]
 )
-def test_every_layout_starts_from_the_same_weights(family: str, layout: str) -> None:
+def test_every_layout_starts_from_the_same_weights(
+    family: str, layout: str, one_process_weights: dict[str, dict[str, torch.Tensor]]
+) -> None:
     extra = QWEN3 if family == "qwen3" else []
     world, layout_args = LAYOUTS[layout]
-    one = get_pool(1).run(train_scenarios.initial_weights, argv=[*SMALL, *extra])[0]
+    if family not in one_process_weights:
+        one_process_weights[family] = get_pool(1).run(
+            train_scenarios.initial_weights, argv=[*SMALL, *extra]
+        )[0]
+    one = one_process_weights[family]
     many = get_pool(world).run(
         train_scenarios.initial_weights, argv=[*SMALL, *extra, *layout_args]
     )[0]

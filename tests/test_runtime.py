@@ -4,8 +4,8 @@ A step that is not logged must make no device-to-host synchronization and no blo
 collective of titanlite's own beyond the global target-token count: the loss is reduced and
 read only at log steps, the token count stays on the device, and the preemption vote is an
 asynchronous all-reduce read one step later. tests/train_scenarios.step_work records, during
-one whole step (data, the step, the checks after it), every read of a tensor's value into
-Python and every torch.distributed call with its caller.
+each whole step asked for (data, the step, the checks after it), every read of a tensor's value
+into Python and every torch.distributed call with its caller.
 """
 
 from __future__ import annotations
@@ -33,15 +33,30 @@ VOTE = ("all_reduce", True, "titanlite.stop_vote.start")
 VOTE_READ = ("__int__", "titanlite.stop_vote.settle")  # a CPU tensor: no device sync
 
 
-def work(tmp_path, layout: str, step: int) -> dict[str, list]:
-    world, extra = LAYOUTS[layout]
-    argv = [*ARGS, *extra, "--job.dump_folder", str(tmp_path / "run")]
-    return get_pool(world).run(train_scenarios.step_work, argv=argv, step=step)[0]
+QUIET_STEP, LOGGED_STEP = 3, 5  # log_freq 5
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """work(layout): what steps 3 (not logged) and 5 (logged) of one 6-step run in ``layout``
+    asked for, by step; each layout's run is made once, for every test that reads it."""
+    runs: dict[str, dict[int, dict[str, list]]] = {}
+
+    def recorded(layout: str) -> dict[int, dict[str, list]]:
+        if layout not in runs:
+            world, extra = LAYOUTS[layout]
+            out = tmp_path_factory.mktemp("work") / "run"
+            argv = [*ARGS, *extra, "--job.dump_folder", str(out)]
+            steps = [QUIET_STEP, LOGGED_STEP]
+            runs[layout] = get_pool(world).run(train_scenarios.step_work, argv=argv, steps=steps)[0]
+        return runs[layout]
+
+    return recorded
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_a_step_that_is_not_logged_waits_only_for_the_token_count(tmp_path, layout):
-    got = work(tmp_path, layout, step=3)
+def test_a_step_that_is_not_logged_waits_only_for_the_token_count(work, layout):
+    got = work(layout)[QUIET_STEP]
     assert got["reads"] == [VOTE_READ]
     own = [c for c in got["calls"] if c[2].startswith("titanlite.")]
     assert own == [TOKEN_COUNT, VOTE]
@@ -49,8 +64,8 @@ def test_a_step_that_is_not_logged_waits_only_for_the_token_count(tmp_path, layo
     assert all(c[2].startswith("torch.distributed.fsdp") for c in got["calls"] if c not in own)
 
 
-def test_a_logged_step_also_reduces_and_reads_the_loss(tmp_path):
-    got = work(tmp_path, "dp_shard=2", step=5)
+def test_a_logged_step_also_reduces_and_reads_the_loss(work):
+    got = work("dp_shard=2")[LOGGED_STEP]  # the same run as the first layout's test above
     own = [c for c in got["calls"] if c[2].startswith("titanlite.")]
     assert own == [TOKEN_COUNT, TOKEN_COUNT, VOTE]  # the second one: the loss sum, for the log
     assert len(got["reads"]) > 1 and VOTE_READ in got["reads"]

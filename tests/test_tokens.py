@@ -238,22 +238,22 @@ PARITY_RTOL = 1e-6
 
 @pytest.mark.slow
 def test_a_truncated_shard_stops_a_trainer_process_with_one_error_line(tmp_path, tok, spec):
-    """A real `python -m titanlite.train` (one process, no torchrun) on a folder whose shard
-    lost its last token: refused while building the loader, before the model; status 2."""
+    """The trainer's entry point (`python -m titanlite.train`'s main, on a rank of the worker
+    pool: its status and everything it printed) on a folder whose shard lost its last token:
+    refused while building the loader, before the model; status 2."""
     folder = tmp_path / "tokens"
     pretokenize(spec, tok, folder, shard_tokens=500, progress=False)
     shard = folder / "train-00001.bin"
     shard.write_bytes(shard.read_bytes()[:-2])
-    cmd = [
-        sys.executable, "-m", "titanlite.train", "--job.config_file", DEBUG_CONFIG, *TRAIN_ARGS,
-        "--training.dataset_path", str(folder), "--job.dump_folder", str(tmp_path / "run"),
+    argv = [
+        "--job.config_file", DEBUG_CONFIG, *TRAIN_ARGS, "--training.dataset_path", str(folder),
+        "--job.dump_folder", str(tmp_path / "run"),
     ]  # fmt: skip
-    result = subprocess.run(
-        cmd, cwd=REPO, env=subprocess_env(tmp_path), capture_output=True, text=True, timeout=120
-    )
-    output = result.stdout + result.stderr
+    pool = get_pool(1)
+    (status,) = pool.run(train_scenarios.main, argv=argv)
+    output = pool.last_output[0]
     errors = [line for line in output.splitlines() if line.startswith("titanlite: error:")]
-    assert result.returncode == 2, output[-3000:]
+    assert status == 2, output[-3000:]
     assert len(errors) == 1, output[-3000:]
     assert str(shard) in errors[0] and "truncated or corrupt shard" in errors[0], errors[0]
     assert "Traceback" not in output

@@ -78,8 +78,13 @@ def _losses(folder: Path) -> list[float]:
 
 
 def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path: Path) -> None:
-    """Through the launcher (torchrun for 2 processes, none for 1); every other layout and
-    accumulation is compared in tests/test_parity.py on the worker pool."""
+    """Two processes through the launcher (torchrun) against one process with the same global
+    batch. The one process is the same trainer on a worker-pool rank (tests/pool.py): the
+    launcher's one-process path (no torchrun) is what the quick-start test above runs, and
+    every other layout and accumulation is compared in tests/test_parity.py on the pool."""
+    import train_scenarios
+    from pool import get_pool
+
     common = [
         "--training.steps", "8", "--metrics.log_freq", "1", "--validation.enable", "false",
         # test_parity's tiny model: what this test is about is the launch, not the compute.
@@ -87,12 +92,11 @@ def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path: Pa
         "--model.n_kv_heads", "4", "--model.multiple_of", "32", "--training.seq_len", "64",
     ]  # fmt: skip
     one, two = tmp_path / "one", tmp_path / "two"
-    r1 = run_train(tmp_path, *common, "--job.dump_folder", str(one))
+    get_pool(1).run(train_scenarios.train, argv=[*common, "--job.dump_folder", str(one)])
     r2 = run_train(
         tmp_path, *common, "--job.dump_folder", str(two), "--training.local_batch_size=4", ngpu=2
     )
-    for r in (r1, r2):
-        assert r.returncode == 0, r.stderr[-3000:]
+    assert r2.returncode == 0, r2.stderr[-3000:]
     base = _losses(one)
     assert len(base) == 8
     for a, b in zip(base, _losses(two), strict=True):

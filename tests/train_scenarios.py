@@ -28,10 +28,19 @@ def read_run(folder: Path) -> dict[str, Any]:
 
 def main(rank: int, world: int, argv: list[str]) -> int:
     """`python -m titanlite.train ARGV` in this rank: the exit status (its output goes to the
-    pool's captured output). It ends by destroying the default group, so the pool restarts."""
+    pool's captured output). It ends by destroying the default group. Alone in its world, this
+    rank then makes a new one at once, as titanlite itself makes a one-process group (a store
+    in memory), and the pool goes on with the same worker; with several ranks the pool
+    restarts (a fresh worker imports titanlite and its data libraries again: about a second of
+    CPU per rank)."""
+    import torch.distributed as dist
+
     from titanlite.train import main as train_main
 
-    return train_main(argv)
+    status = train_main(argv)
+    if world == 1 and not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return status
 
 
 def train(rank: int, world: int, argv: list[str]) -> dict[str, Any] | None:
@@ -158,20 +167,21 @@ COLLECTIVES = (
 )  # fmt: skip
 
 
-def step_work(rank: int, world: int, argv: list[str], step: int) -> dict[str, list] | None:
-    """Train as `train` does while recording what training step ``step`` (all of it: data,
-    the step, the checks after it) asks of the host and the network: host reads of tensor
-    values, torch.distributed calls (with async_op) and functional collectives (DTensor,
-    tensor parallelism). Rank 0 returns the lists."""
+def step_work(
+    rank: int, world: int, argv: list[str], steps: list[int]
+) -> dict[int, dict[str, list]] | None:
+    """Train as `train` does while recording what each training step in ``steps`` (all of
+    it: data, the step, the checks after it) asks of the host and the network: host reads of
+    tensor values, torch.distributed calls (with async_op) and functional collectives
+    (DTensor, tensor parallelism). Rank 0 returns the lists by step."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
     cfg = load_config(["--job.config_file", DEBUG_CONFIG, *argv])
     trainer = Trainer(cfg)
-    reads = _HostReads()
-    calls: list[tuple[str, bool, str]] = []
-    functional: list[str] = []
-    active = [False]
+    recorded: dict[int, dict[str, list]] = {}
+    # While a step is recorded: (its step, its lists, the two modes recording it).
+    current: list[tuple[int, dict[str, list], Any, Any] | None] = [None]
     originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
 
     depth = [0]
@@ -180,8 +190,10 @@ def step_work(rank: int, world: int, argv: list[str], step: int) -> dict[str, li
         def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
             # torch.distributed's functions re-dispatch through torch-function modes (our
             # _HostReads): count the outermost call only.
-            if active[0] and depth[0] == 0:
-                calls.append((name, bool(kwargs.get("async_op", False)), _call_site()))
+            if current[0] is not None and depth[0] == 0:
+                current[0][1]["calls"].append(
+                    (name, bool(kwargs.get("async_op", False)), _call_site())
+                )
             depth[0] += 1
             try:
                 return fn(*args, **kwargs)
@@ -191,26 +203,41 @@ def step_work(rank: int, world: int, argv: list[str], step: int) -> dict[str, li
         return wrapper
 
     class Functional(torch.utils._python_dispatch.TorchDispatchMode):
+        def __init__(self, into: list[str]) -> None:
+            super().__init__()
+            self.into = into
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
             if func.namespace in ("c10d", "_c10d_functional") or func.__name__.startswith(
                 "_local_scalar_dense"
             ):
-                functional.append(f"{func.namespace}.{func.__name__.split('.')[0]}")
+                self.into.append(f"{func.namespace}.{func.__name__.split('.')[0]}")
             return func(*args, **(kwargs or {}))
 
-    dispatch = Functional()
+    def start(step: int) -> None:
+        reads = _HostReads()
+        lists = {"reads": reads.reads, "calls": [], "functional": []}
+        dispatch = Functional(lists["functional"])
+        recorded[step] = lists
+        current[0] = (step, lists, reads, dispatch)
+        reads.__enter__()
+        dispatch.__enter__()
+
+    def stop() -> None:
+        _, _, reads, dispatch = current[0]
+        current[0] = None
+        dispatch.__exit__(None, None, None)
+        reads.__exit__(None, None, None)
+
     batches = trainer.train_iter
 
     class Watch:
         def __next__(self):  # noqa: ANN204 - called once per micro-batch, first thing in a step
-            if trainer.state.step == step and not active[0]:
-                active[0] = True
-                reads.__enter__()
-                dispatch.__enter__()
-            elif trainer.state.step == step + 1 and active[0]:
-                active[0] = False
-                dispatch.__exit__(None, None, None)
-                reads.__exit__(None, None, None)
+            step = trainer.state.step
+            if current[0] is not None and current[0][0] != step:  # the recorded step ended
+                stop()
+            if current[0] is None and step in steps and step not in recorded:
+                start(step)
             return next(batches)
 
     trainer.train_iter = Watch()
@@ -221,12 +248,11 @@ def step_work(rank: int, world: int, argv: list[str], step: int) -> dict[str, li
     try:
         trainer.train()
     finally:
-        if active[0]:  # the recorded step never ended (it raised): leave no mode behind
-            dispatch.__exit__(None, None, None)
-            reads.__exit__(None, None, None)
+        if current[0] is not None:  # a recorded step never ended (it raised, or was the last)
+            stop()
         for module in (dist, distributed_c10d):
             for name, fn in originals.items():
                 if hasattr(module, name):
                     setattr(module, name, fn)
         trainer.close()
-    return {"reads": reads.reads, "calls": calls, "functional": functional} if rank == 0 else None
+    return recorded if rank == 0 else None

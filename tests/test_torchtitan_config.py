@@ -318,7 +318,7 @@ def test_without_tokenizer_the_vocabulary_follows_titanlite_default() -> None:
         ),  # fmt: skip
         ('[model]\nname = "deepseek_v3"\nflavor = "16B"\n', "model.name"),
         ('[model]\nname = "qwen3"\nflavor = "72B"\n', "model.flavor"),
-        ('[model]\nconverters = ["quantize.linear.float8"]\n', "model.converters"),
+        ('[model]\nconverters = ["quantize.linear.mx"]\n', "model.converters"),
         ('[optimizer]\nname = "Adam"\n', "optimizer.name"),
         ('[checkpoint]\ninitial_load_path = "/ckpt/step-100"\n', "checkpoint.initial_load_path"),
         ("[fault_tolerance]\nenable = true\n", "fault_tolerance.enable"),
@@ -583,7 +583,8 @@ def test_run_as_is_loads_the_titanlite_equivalent(
 def test_run_as_is_refuses_what_titanlite_cannot_honour_line_by_line(tmp_path: Path) -> None:
     source = tmp_path / "tt.toml"
     text = TT_DEBUG.replace("[checkpoint]\n", QUANTIZED, 1)
-    source.write_text(text.replace('# converters = ["quantize', 'converters = ["quantize'))
+    text = text.replace('# converters = ["quantize.linear.float8"]', 'converters = ["mx"]')
+    source.write_text(text)
     with pytest.raises(ConfigError) as info:
         load_config(["--job.config_file", str(source)])
     lines = str(info.value).split("\n")
@@ -660,3 +661,25 @@ def test_markdown_table_lists_every_key() -> None:
     rows = [line for line in text.splitlines() if line.startswith("| `")]
     assert [row.split("`")[1] for row in rows] == list(MAPPING)
     assert "| `metrics.save_tb_folder` | `metrics.tensorboard_folder` |" in text
+
+
+def test_float8_converters_map_to_titanlites_float8_with_torchtitans_defaults() -> None:
+    conv = converted(
+        '[model]\nconverters = ["quantize.linear.float8", "quantize.grouped_mm.float8"]\n'
+        "[quantize.linear.float8]\nenable_fsdp_float8_all_gather = true\n"
+        'filter_fqns = ["output", "auto_filter_small_kn"]\n'
+        '[quantize.grouped_mm.float8]\nfqns = ["experts"]\n'
+    )
+    assert conv.config["model"]["converters"] == ["float8"]
+    assert conv.config["float8"] == {
+        "recipe": "rowwise",  # the experts' recipe; TorchTitan's unset recipe is tensorwise
+        "filter_fqns": ["output"],
+        "auto_filter_small": True,
+        "enable_fsdp_float8_all_gather": True,
+        "experts": True,
+    }
+    older = converted('[model]\nconverters = ["float8"]\n[float8]\nemulate = true\n')
+    assert older.config["float8"] == {
+        "recipe": "tensorwise", "filter_fqns": [], "auto_filter_small": False, "emulate": True
+    }  # fmt: skip
+    assert not blocking_keys(older)

@@ -72,7 +72,7 @@ def dry_run(cfg: JobConfig, world_size: int, tokenizer_vocab: int) -> str:
             compile=cfg.compile,
             device=None,
             loss_sum=cross_entropy_sum,
-            converters=converters.build(cfg.model.converters),
+            converters=converters.build(cfg.model.converters, cfg),
         ).parts
         plan = pipeline_plan(cfg.parallelism, degrees, args.n_layers, cfg.training.local_batch_size)
         pipeline_lines = (

@@ -96,7 +96,7 @@ class Trainer:
             model, self.spec, self.model_args, self.dims,
             parallelism=cfg.parallelism, training=t, activation_checkpoint=cfg.activation_checkpoint,
             compile=cfg.compile, device=self.device, loss_sum=cross_entropy_sum,
-            converters=converters.build(cfg.model.converters),
+            converters=(model_converters := converters.build(cfg.model.converters, cfg)),
             init_weights=not will_load_weights(c, checkpoint_folder), documents=documents,
         )  # fmt: skip
         self.params = [p for part in self.model.parts for p in part.parameters() if p.requires_grad]
@@ -118,6 +118,8 @@ class Trainer:
             total_steps=t.steps,
             device=self.device,
         )
+        for converter in model_converters:  # e.g. float8's FSDP scales after each step
+            converter.attach(self.model.parts, self.optimizers)
         self.state = TrainState()
         self.startup.mark("optimizer")
 

@@ -234,6 +234,27 @@ class Compile:
 
 
 @dataclass
+class Float8:
+    """[float8]: settings of the float8 converter (model.converters = ["float8"]; needs torchao:
+    pip install 'titanlite[float8]'). docs/performance.md says when it pays."""
+
+    recipe: Literal["rowwise", "tensorwise", "rowwise_with_gw_hp"] = "rowwise"
+    """Scaling recipe: rowwise (one scale per row of each operand), tensorwise (one per tensor; the fastest, allows the float8 FSDP all-gather), rowwise_with_gw_hp (rowwise, weight gradients in high precision)."""
+    filter_fqns: list[str] = field(default_factory=lambda: ["output", "router"])
+    """Linears kept in high precision: those whose module path contains any of these strings (default: the output projection and MoE routers)."""
+    auto_filter_small: bool = True
+    """Also keep in high precision the linears too small to gain on H100-class GPUs (torchao's measured thresholds for the recipe); linears whose sizes are not multiples of 16 always stay."""
+    enable_fsdp_float8_all_gather: bool = False
+    """tensorwise only: FSDP all-gathers the weights in float8 (half of bf16's bytes), with scales from the sharded weights."""
+    precompute_float8_dynamic_scale_for_fsdp: bool = False
+    """With enable_fsdp_float8_all_gather: compute every weight's scale in one all-reduce after each optimizer step instead of one per weight."""
+    emulate: bool = False
+    """Run the float8 matmuls in high precision on the float8-rounded values (GPUs without float8 units; results as float8's, speed not)."""
+    experts: bool = False
+    """Also the routed experts' grouped matmuls (rowwise; CUDA GPUs of compute capability 9.0 and later, through torchao)."""
+
+
+@dataclass
 class Checkpoint:
     enable: bool = True
     """Save checkpoints and resume from the latest complete one when the same command runs again."""
@@ -323,6 +344,7 @@ class JobConfig:
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
+    float8: Float8 = field(default_factory=Float8)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)

@@ -218,6 +218,7 @@ def convert(data: dict[str, Any]) -> Conversion:
     components = components if isinstance(components, list) else [components]
     if flat.get("compile.enable") and any(c != "model" for c in components):
         note("compile.components", MAPPING["compile.components"].note)
+    _convert_converters(flat, conv, note)
     mode = flat.get("comm.mode", "default")
     if mode == "fake_backend":
         conv.put("comm.mode", "job.dry_run", True)
@@ -231,6 +232,41 @@ def convert(data: dict[str, Any]) -> Conversion:
             ordered.setdefault(section, {})[name] = conv.config[section][name]
     conv.config = ordered
     return conv
+
+
+def _convert_converters(flat: dict[str, Any], conv: Conversion, note: Any) -> None:
+    """model.converters and the float8 sections: titanlite's float8 converter with TorchTitan's
+    float8 settings (its defaults where the file leaves them: tensorwise, nothing filtered by
+    name, no size filter), MX formats blocked."""
+    names = flat.get("model.converters", [])
+    names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+    linear = {"float8", "quantize.linear.float8"} & set(names)
+    experts = "quantize.grouped_mm.float8" in names
+    others = [n for n in names if n not in ("float8", "quantize.linear.float8", "quantize.grouped_mm.float8")]  # fmt: skip
+    if others:
+        note("model.converters", f"titanlite has float8 training only (no {', '.join(others)}); remove them", True)  # fmt: skip
+    if not (linear or experts):
+        return
+    conv.put("model.converters", "model.converters", ["float8"])
+    section = "float8" if "float8" in linear else "quantize.linear.float8"
+    for key in ("enable_fsdp_float8_all_gather", "precompute_float8_dynamic_scale_for_fsdp", "emulate"):  # fmt: skip
+        if f"{section}.{key}" in flat:
+            conv.put(f"{section}.{key}", f"float8.{key}", bool(flat[f"{section}.{key}"]))
+    recipe = flat.get(f"{section}.recipe_name") or "tensorwise"
+    if recipe not in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
+        note(f"{section}.recipe_name", "not a float8 recipe titanlite has (tensorwise, rowwise, rowwise_with_gw_hp)", True)  # fmt: skip
+    conv.put(f"{section}.recipe_name", "float8.recipe", recipe)
+    fqns = flat.get(f"{section}.filter_fqns", [])
+    fqns = (
+        [f.strip() for f in fqns.split(",") if f.strip()] if isinstance(fqns, str) else list(fqns)
+    )
+    conv.put(f"{section}.filter_fqns", "float8.auto_filter_small", "auto_filter_small_kn" in fqns)
+    conv.put(f"{section}.filter_fqns", "float8.filter_fqns", [f for f in fqns if f != "auto_filter_small_kn"])  # fmt: skip
+    if experts:
+        conv.put("quantize.grouped_mm.float8.fqns", "float8.experts", True)
+        if recipe != "rowwise":
+            conv.put("quantize.grouped_mm.float8.fqns", "float8.recipe", "rowwise")
+            note(f"{section}.recipe_name", "titanlite's float8 experts take the rowwise recipe, for the linears too")  # fmt: skip
 
 
 def mapping_table_markdown() -> str:

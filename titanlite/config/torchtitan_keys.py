@@ -59,8 +59,8 @@ MAPPING: dict[str, Rule] = {
     "model.flavor": Rule("model.flavor", "same name, with overrides giving TorchTitan's model where it differs (debugmodel; MoE flavors balance experts as TorchTitan does); flex/varlen flavors use causal attention", special=True),
     "model.hf_assets_path": Rule("model.tokenizer_path", "the folder's tokenizer.json is read; with a tokenizer, model.vocab_size is the flavor's", special=True),
     "model.tokenizer_path": Rule("model.tokenizer_path", "deprecated in TorchTitan; wins over hf_assets_path there and here", special=True),
-    "model.converters": Rule(note="titanlite has no float8/MX training yet; remove model.converters", inert=([],), blocks=True),
-    "model.print_after_conversion": Rule(note="no converters in titanlite"),
+    "model.converters": Rule("model.converters", '"float8", "quantize.linear.float8" -> "float8"; "quantize.grouped_mm.float8" -> float8.experts = true; MX formats block', special=True),
+    "model.print_after_conversion": Rule(note="titanlite logs what each converter replaced"),
     "optimizer.name": Rule("optimizer.name", f"titanlite's optimizers are {', '.join(OPTIMIZERS)}", blocks=True),
     **_same(*(f"optimizer.{k}" for k in ("lr", "eps", "weight_decay", "beta1", "beta2", "implementation"))),
     "optimizer.early_step_in_backward": Rule(note="titanlite steps after backward (only memory differs)", inert=(False,)),
@@ -133,6 +133,12 @@ MAPPING: dict[str, Rule] = {
     "fault_tolerance.*": Rule(note="only used with fault tolerance"),
     "experimental.custom_import": Rule(note="titanlite cannot import TorchTitan extensions", inert=("",), blocks=True),
     "experimental.custom_args_module": Rule(note="titanlite cannot load TorchTitan config extensions", inert=("",), blocks=True),
+    **{f"{section}.{key}": Rule(f"float8.{key}", special=True, note=f"with model.converters naming float8 (TorchTitan's {'older ' if section == 'float8' else ''}section)")
+       for section in ("quantize.linear.float8", "float8")
+       for key in ("enable_fsdp_float8_all_gather", "precompute_float8_dynamic_scale_for_fsdp", "emulate")},
+    **{f"{section}.recipe_name": Rule("float8.recipe", special=True, note="unset = tensorwise, as TorchTitan") for section in ("quantize.linear.float8", "float8")},
+    **{f"{section}.filter_fqns": Rule("float8.filter_fqns", special=True, note='as given ("auto_filter_small_kn" -> float8.auto_filter_small = true)') for section in ("quantize.linear.float8", "float8")},
+    "quantize.grouped_mm.float8.fqns": Rule("float8.experts", special=True, note="with model.converters naming quantize.grouped_mm.float8"),
     "quantize.*": Rule(note="only used through model.converters"),
     "float8.*": Rule(note="older TorchTitan section; only used through model.converters"),
     "mx.*": Rule(note="older TorchTitan section; only used through model.converters"),

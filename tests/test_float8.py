@@ -211,7 +211,7 @@ def test_each_recipe_trains_within_3_percent_of_float32(tmp_path: Path) -> None:
     finals, firsts = {}, {}
     for recipe in ("float32", "rowwise", "tensorwise", "rowwise_with_gw_hp"):
         argv = [*COMMON, *LLAMA, "--training.steps", str(NUMERICS_STEPS),
-                "--metrics.log_freq", "10", "--training.local_batch_size", "4",
+                "--metrics.log_freq", "10", "--training.local_batch_size", "2",
                 "--lr_scheduler.warmup_steps", "10", "--job.dump_folder", str(tmp_path / recipe)]  # fmt: skip
         if recipe != "float32":
             argv += [*FLOAT8, "--float8.recipe", recipe]

@@ -55,6 +55,33 @@ def train(rank: int, world: int, argv: list[str]) -> dict[str, Any] | None:
     return read_run(Path(cfg.job.dump_folder)) if rank == 0 else None
 
 
+def train_then_score(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
+    """One process: train (its eval scores the task at the last step), then compute each
+    choice's log-likelihood directly from the trained model (a plain forward, log_softmax,
+    summed over the choice's tokens), per question of the run's one task file."""
+    cfg = load_config(["--job.config_file", DEBUG_CONFIG, *argv])
+    trainer = Trainer(cfg)
+    try:
+        trainer.train()
+        model, tok = trainer.model.modules[0], trainer.tokenizer
+        direct = []
+        rows = [json.loads(line) for line in Path(cfg.eval.tasks[0]).read_text().splitlines()]
+        with torch.no_grad():
+            for row in rows:
+                context = tok.encode(row["context"], bos=True, eos=False)
+                lls = []
+                for choice in row["choices"]:
+                    ids = tok.encode(choice, bos=False, eos=False)
+                    tokens = torch.tensor([context + ids])
+                    logp = torch.log_softmax(model(tokens[:, :-1]).double(), -1)[0]
+                    at = len(context) - 1
+                    lls.append(sum(float(logp[at + i, t]) for i, t in enumerate(ids)))
+                direct.append(lls)
+    finally:
+        trainer.close()
+    return {**read_run(Path(cfg.job.dump_folder)), "direct": direct}
+
+
 def initial_weights(rank: int, world: int, argv: list[str]) -> dict[str, torch.Tensor] | None:
     """The full (gathered) initial parameters of the configured layout, on rank 0."""
     cfg = load_config(["--job.config_file", DEBUG_CONFIG, "--checkpoint.enable=false", *argv])

@@ -25,6 +25,7 @@ from titanlite.config.layout import global_batch_size, gradient_accumulation_ste
 from titanlite.data.batches import IGNORE_INDEX
 from titanlite.data.build import build_training_data
 from titanlite.data.documents import DocumentMask
+from titanlite.downstream.evaluator import Evaluator
 from titanlite.dtypes import DTYPES
 from titanlite.errors import TrainingDiverged
 from titanlite.loss import cross_entropy_sum
@@ -141,11 +142,8 @@ class Trainer:
             run_info.write_run_files(self.dump_folder, to_toml(cfg), facts)
         self.metrics = run_info.metrics_logger(cfg, self.dump_folder, self.dist.is_main)
         self.step_logger = run_info.StepLogger(throughput, self.metrics, t.steps)
-        self.validator = Validator(
-            cfg.validation, self.data.validation_sources, tokenizer=self.tokenizer,
-            batch_rank=self.dims.batch_rank, batch_ranks=self.dims.batch_size,
-            loss_group=self.dims.group("loss"), cache_folder=self.dump_folder / "validation",
-        )  # fmt: skip
+        self.validator = Validator.of(cfg, self.data.validation_sources, self.tokenizer, self.dims)
+        self.evaluator = Evaluator.of(cfg, self.tokenizer, self.dims)
         self.startup.mark("outputs")
 
         # 6. Checkpoints: everything resumable, registered once; resume exactly where the
@@ -222,9 +220,10 @@ class Trainer:
         )
 
     def _after_step(self, step: int, last: bool) -> None:
-        """Validation, the stop vote and checkpoint saves, in that order, on every rank."""
-        if self.validator.due(step, last):
-            self.validator.validate(self.model, step, self.metrics)
+        """Validation, downstream tasks, the stop vote and checkpoint saves, in that order."""
+        for scorer in (self.validator, self.evaluator):  # validation loss, downstream tasks
+            if scorer is not None and scorer.due(step, last):
+                scorer.validate(self.model, step, self.metrics)
         stop, timed_save = self.vote.read()
         if stop:  # a preemption or Ctrl-C: save this step, then exit 75 or 130
             if self.cfg.checkpoint.enable:

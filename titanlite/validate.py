@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from titanlite import distributed
-from titanlite.config.job_config import Validation
+from titanlite.config.job_config import JobConfig, Validation
 from titanlite.data import held_out
 from titanlite.data.base import Batch
 from titanlite.data.batches import IGNORE_INDEX
@@ -29,6 +29,7 @@ from titanlite.data.spec import DataSpec
 from titanlite.data.tokenizer import Tokenizer
 from titanlite.data.tokens import is_token_folder
 from titanlite.metrics import MetricsLogger
+from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.parallel_model import ParallelModel
 
 logger = logging.getLogger("titanlite.train")
@@ -62,6 +63,18 @@ class Validator:
         self.cache_folder = cache_folder
         self._cache: dict[DataSpec, list[Batch]] = {}
         self._uncached: set[DataSpec] = set()
+
+    @classmethod
+    def of(
+        cls, cfg: JobConfig, sources: Sequence[tuple[str, DataSpec]], tokenizer: Tokenizer,
+        dims: ParallelDims,
+    ) -> Validator:  # fmt: skip
+        """The run's validator (batches cached under the dump folder's validation/)."""
+        return cls(
+            cfg.validation, sources, tokenizer=tokenizer, batch_rank=dims.batch_rank,
+            batch_ranks=dims.batch_size, loss_group=dims.group("loss"),
+            cache_folder=Path(cfg.job.dump_folder) / "validation",
+        )  # fmt: skip
 
     def due(self, step: int, last: bool) -> bool:
         return self.config.enable and (step % self.config.freq == 0 or last)

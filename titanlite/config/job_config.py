@@ -327,6 +327,22 @@ class Validation:
 
 
 @dataclass
+class Eval:
+    """[eval]: downstream multiple-choice tasks scored during training (docs/evaluation.md)."""
+
+    enable: bool = False
+    """Score the tasks periodically (and after the last step)."""
+    freq: int = 50
+    """Every this many steps."""
+    tasks: list[str] = field(default_factory=lambda: ["sotu_next_sentence"])
+    """Built-in task names (sotu_next_sentence) or JSONL task files (docs/evaluation.md has the format)."""
+    limit: int = 200
+    """Questions scored per task (0 = all)."""
+    batch_size: int = 16
+    """Rows (one per question and choice) per forward pass."""
+
+
+@dataclass
 class Comm:
     init_timeout_seconds: float = 600.0
     """How long a collective may wait during start-up and the first step (rendezvous, model build, checkpoint load, first compile) before the run stops with a message naming the lost rank."""
@@ -349,4 +365,5 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     validation: Validation = field(default_factory=Validation)
+    eval: Eval = field(default_factory=Eval)
     comm: Comm = field(default_factory=Comm)

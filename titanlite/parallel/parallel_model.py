@@ -15,10 +15,12 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from titanlite.data.batches import IGNORE_INDEX
 from titanlite.parallel.context import ContextParallel
 from titanlite.parallel.ddp import BucketedDDP
 from titanlite.parallel.ddp_support import all_reduce_after_backward, local_tensor
@@ -95,6 +97,19 @@ class ParallelModel:
             if self.pipeline is not None:
                 return self.pipeline.evaluate(inputs, labels)
             return _full(self.loss_sum(self(inputs), self.local_labels(labels)))
+
+    def row_sums(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward only: each row's summed loss over this rank's target tokens, [batch] (its
+        context chunks under CP; add them up over the loss group). Not under PP yet."""
+        if self.pipeline is not None:
+            raise RuntimeError("per-row losses are not computed through a pipeline yet")
+        with self._train_context():
+            labels = self.local_labels(labels)
+            ce = F.cross_entropy(
+                self(inputs).flatten(0, 1), labels.flatten(), reduction="none",
+                ignore_index=IGNORE_INDEX,
+            )  # fmt: skip
+            return _full(ce).view(labels.shape).sum(1)
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits of this rank's tokens from whole sequences [batch, seq] of ids: under

@@ -1,0 +1,141 @@
+"""Downstream evaluation in the loop ([eval]): task files, the built-in task, the scores
+against a direct computation, and the same scores under every layout."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import train_scenarios
+from pool import get_pool
+
+from titanlite.checks import check
+from titanlite.config import ConfigError, load_config
+from titanlite.downstream import builtin
+from titanlite.downstream.evaluator import accuracies
+from titanlite.downstream.tasks import Question, Task, read_task
+from titanlite.errors import UserError
+
+QUESTIONS = [
+    {"context": "The United States of America", "choices": [" is a nation.", " blue fish"], "label": 0},
+    {"context": "We must work together", "choices": [" for peace", " of", " cat cat cat"], "label": 0},
+    {"context": "Congress", "choices": [" shall", " banana"], "label": 1},
+    {"context": "In this year", "choices": [" the economy grew", " grew economy the"], "label": 0},
+    {"context": "My fellow", "choices": [" citizens", " apples", " the"], "label": 0},
+]  # fmt: skip
+
+
+def write_task(folder: Path, rows: list[dict]) -> Path:
+    path = folder / "tiny_task.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ("{not json", "tiny_task.jsonl:2: not a JSON object"),
+        ('{"context": "a", "choices": [" b", " c"]}', "tiny_task.jsonl:2: missing label"),
+        ('{"context": "a", "choices": [" b"], "label": 0}', "two or more non-empty strings"),
+        ('{"context": "a", "choices": [" b", " c"], "label": 2}', "label 2 is not an index"),
+        ('{"context": 3, "choices": [" b", " c"], "label": 0}', "context must be a string"),
+    ],
+)
+def test_a_bad_task_line_is_one_error_naming_file_and_line(tmp_path, line, expected) -> None:
+    path = tmp_path / "tiny_task.jsonl"
+    path.write_text(json.dumps(QUESTIONS[0]) + "\n" + line + "\n")
+    with pytest.raises(UserError, match=expected):
+        read_task(path)
+
+
+def test_task_files_read_and_accuracies() -> None:
+    task = Task("t", (Question("c", (" a", " bb"), 1), Question("c", (" a", " bb", " c"), 0)))
+    # log-likelihoods: q1 prefers " a" in sum but " bb" per character; q2 prefers " a"
+    acc, acc_norm = accuracies(task, [-3.0, -4.0, -1.0, -9.0, -9.0])
+    assert (acc, acc_norm) == (0.5, 1.0)
+
+
+def test_the_builtin_task_is_fixed_and_drawn_from_held_out_speeches() -> None:
+    first, again = builtin.build(0.05, 50), builtin.build(0.05, 50)
+    assert first == again and len(first.questions) == 50
+    assert all(len(q.choices) == 4 and 0 <= q.label < 4 for q in first.questions)
+    labels = {q.label for q in first.questions}
+    assert len(labels) > 1  # the right answer is not always in one place
+    with pytest.raises(UserError, match="needs held-out speeches"):
+        builtin.build(0.0, 10)
+
+
+def test_eval_is_refused_under_pipeline_parallelism() -> None:
+    cfg = load_config(["--eval.enable", "true", "--parallelism.pipeline_parallel_degree", "2"])
+    with pytest.raises(ConfigError, match="eval.enable does not combine with pipeline"):
+        check(cfg, 2)
+
+
+SMALL = (
+    "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads",
+    "4", "--model.multiple_of", "32", "--training.seq_len", "64", "--training.steps", "2",
+    "--metrics.log_freq", "1", "--validation.enable", "false", "--checkpoint.enable", "false",
+    "--training.local_batch_size", "8", "--eval.enable", "true", "--eval.freq", "2",
+    "--eval.batch_size", "3",
+)  # fmt: skip
+
+
+def eval_record(run: dict) -> dict:
+    (record,) = [r for r in run["records"] if r.get("kind") == "eval"]
+    return record
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> tuple[dict, Path]:
+    folder = tmp_path_factory.mktemp("eval")
+    task = write_task(folder, QUESTIONS)
+    argv = [*SMALL, "--eval.tasks", str(task), "--job.dump_folder", str(folder / "run")]
+    return get_pool(1).run(train_scenarios.train_then_score, argv=argv)[0], task
+
+
+@pytest.mark.slow
+def test_scores_equal_a_direct_computation(one_process) -> None:
+    """The evaluator's log-likelihoods are those of a plain forward of the trained model on
+    each (context, choice) row: log_softmax, summed over the choice's tokens."""
+    run, _ = one_process
+    record = eval_record(run)
+    direct = run["direct"]  # per question: each choice's log-likelihood
+    right = [lls[q["label"]] for lls, q in zip(direct, QUESTIONS, strict=True)]
+    assert record["eval_tiny_task_ll"] == pytest.approx(sum(right) / len(right), rel=1e-6)
+    task = Task("t", tuple(Question(q["context"], tuple(q["choices"]), q["label"]) for q in QUESTIONS))  # fmt: skip
+    acc, acc_norm = accuracies(task, [ll for lls in direct for ll in lls])
+    assert (record["eval_tiny_task_acc"], record["eval_tiny_task_acc_norm"]) == (acc, acc_norm)
+    assert math.isfinite(record["eval_seconds"])
+
+
+LAYOUTS = {
+    "dp_shard=2 x tp=2": (4, ["--parallelism.data_parallel_shard_degree", "2",
+                              "--parallelism.tensor_parallel_degree", "2",
+                              "--training.local_batch_size", "4"]),
+    "cp=2": (2, ["--parallelism.context_parallel_degree", "2"]),
+    "dp_replicate=2": (2, ["--parallelism.data_parallel_replicate_degree", "2",
+                           "--training.local_batch_size", "4"]),
+}  # fmt: skip
+
+
+MEASURED: dict[str, float] = {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_same_scores_under_every_layout(layout, one_process, tmp_path) -> None:
+    base, task = one_process
+    ngpu, args = LAYOUTS[layout]
+    argv = [*SMALL, "--eval.tasks", str(task), "--job.dump_folder", str(tmp_path / "run"), *args]
+    run = get_pool(ngpu).run(train_scenarios.train, argv=argv)[0]
+    got, expected = eval_record(run), eval_record(base)
+    difference = abs(got["eval_tiny_task_ll"] - expected["eval_tiny_task_ll"])
+    MEASURED[layout] = difference / abs(expected["eval_tiny_task_ll"])
+    (tmp_path.parent / "eval_parity.json").write_text(json.dumps(MEASURED))
+    assert got["eval_tiny_task_ll"] == pytest.approx(expected["eval_tiny_task_ll"], rel=1e-5)
+    for key in ("eval_tiny_task_acc", "eval_tiny_task_acc_norm"):
+        assert got[key] == expected[key], key
+    assert torch.isfinite(torch.tensor(got["eval_tiny_task_ll"]))

@@ -1,0 +1,71 @@
+"""Downstream tasks: multiple-choice questions a model answers by likelihood.
+
+A task is a JSONL file, one question per line::
+
+    {"context": "The capital of France is", "choices": [" Paris", " Rome"], "label": 0}
+
+``context`` (a string), ``choices`` (two or more strings, each the text that follows the
+context, leading space included where the words need one) and ``label`` (the index of the right
+choice) are required; other fields are ignored. HellaSwag, ARC, PIQA and MMLU are laid out like
+this (``scripts/make_eval_task.py`` converts them). The model's answer is the choice whose
+tokens have the largest summed log-likelihood after the context (``acc``), or the largest per
+character of the choice (``acc_norm``, which does not favour short choices).
+
+Everything here is plain Python: tasks are read and checked before training starts, so a bad
+file is a one-line error naming the file and line, never a failure mid-run.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from titanlite.errors import UserError
+
+
+@dataclass(frozen=True)
+class Question:
+    context: str
+    choices: tuple[str, ...]
+    label: int
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    questions: tuple[Question, ...]
+
+
+def read_task(path: Path) -> Task:
+    """The questions of a task file; UserError naming the file and line of any problem."""
+    if not path.is_file():
+        raise UserError(f"eval.tasks: {str(path)!r} is not a file (nor a built-in task)")
+    questions = []
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                questions.append(_question(line, f"{path}:{number}"))
+    if not questions:
+        raise UserError(f"eval.tasks: {path} holds no questions")
+    return Task(path.stem, tuple(questions))
+
+
+def _question(line: str, where: str) -> Question:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{where}: not a JSON object ({e.msg})") from None
+    if not isinstance(row, dict):
+        raise UserError(f"{where}: not a JSON object")
+    missing = [k for k in ("context", "choices", "label") if k not in row]
+    if missing:
+        raise UserError(f"{where}: missing {', '.join(missing)} (a question needs context, choices and label)")  # fmt: skip
+    context, choices, label = row["context"], row["choices"], row["label"]
+    if not isinstance(context, str):
+        raise UserError(f"{where}: context must be a string")
+    if not isinstance(choices, list) or len(choices) < 2 or not all(isinstance(c, str) and c for c in choices):  # fmt: skip
+        raise UserError(f"{where}: choices must be a list of two or more non-empty strings")
+    if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < len(choices):
+        raise UserError(f"{where}: label {label!r} is not an index of the {len(choices)} choices")
+    return Question(context, tuple(choices), label)

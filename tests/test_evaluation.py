@@ -28,8 +28,16 @@ QUESTIONS = [
 ]  # fmt: skip
 
 
-def write_task(folder: Path, rows: list[dict]) -> Path:
-    path = folder / "tiny_task.jsonl"
+COMPLETIONS = [
+    {"context": "The United States", "target": " of America"},
+    {"context": "My fellow", "target": " citizens"},
+    {"context": "the the the the the the", "target": " the the"},
+    {"context": "Congress shall", "target": " make no law"},
+]
+
+
+def write_task(folder: Path, rows: list[dict], name: str = "tiny_task") -> Path:
+    path = folder / f"{name}.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -51,6 +59,15 @@ def test_a_bad_task_line_is_one_error_naming_file_and_line(tmp_path, line, expec
         read_task(path)
 
 
+def test_a_completion_line_and_a_mixed_file(tmp_path) -> None:
+    task = read_task(write_task(tmp_path, COMPLETIONS, "c"))
+    assert task.completion and task.questions[0] == Question("The United States", (" of America",), 0, True)  # fmt: skip
+    with pytest.raises(UserError, match="mixes multiple-choice and completion lines"):
+        read_task(write_task(tmp_path, [QUESTIONS[0], COMPLETIONS[0]], "mixed"))
+    with pytest.raises(UserError, match="target must be a non-empty string"):
+        read_task(write_task(tmp_path, [{"context": "a", "target": ""}], "empty"))
+
+
 def test_task_files_read_and_accuracies() -> None:
     task = Task("t", (Question("c", (" a", " bb"), 1), Question("c", (" a", " bb", " c"), 0)))
     # log-likelihoods: q1 prefers " a" in sum but " bb" per character; q2 prefers " a"
@@ -58,14 +75,21 @@ def test_task_files_read_and_accuracies() -> None:
     assert (acc, acc_norm) == (0.5, 1.0)
 
 
-def test_the_builtin_task_is_fixed_and_drawn_from_held_out_speeches() -> None:
-    first, again = builtin.build(0.05, 50), builtin.build(0.05, 50)
+@pytest.mark.parametrize("name", builtin.NAMES)
+def test_the_builtin_tasks_are_fixed_and_drawn_from_held_out_speeches(name) -> None:
+    first, again = builtin.build(name, 0.05, 50), builtin.build(name, 0.05, 50)
     assert first == again and len(first.questions) == 50
     assert all(len(q.choices) == 4 and 0 <= q.label < 4 for q in first.questions)
     labels = {q.label for q in first.questions}
     assert len(labels) > 1  # the right answer is not always in one place
+    for q in first.questions:
+        right = q.choices[q.label]
+        wrong = [c for i, c in enumerate(q.choices) if i != q.label]
+        assert right not in wrong
+        if name == "sotu_word_order":  # the same words in other orders
+            assert all(sorted(c.split()) == sorted(right.split()) for c in wrong)
     with pytest.raises(UserError, match="needs held-out speeches"):
-        builtin.build(0.0, 10)
+        builtin.build(name, 0.0, 10)
 
 
 def test_eval_is_refused_under_pipeline_parallelism() -> None:
@@ -89,11 +113,11 @@ def eval_record(run: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory) -> tuple[dict, Path]:
+def one_process(tmp_path_factory) -> tuple[dict, str]:
     folder = tmp_path_factory.mktemp("eval")
-    task = write_task(folder, QUESTIONS)
-    argv = [*SMALL, "--eval.tasks", str(task), "--job.dump_folder", str(folder / "run")]
-    return get_pool(1).run(train_scenarios.train_then_score, argv=argv)[0], task
+    tasks = f"{write_task(folder, QUESTIONS)},{write_task(folder, COMPLETIONS, 'tiny_completion')}"
+    argv = [*SMALL, "--eval.tasks", tasks, "--job.dump_folder", str(folder / "run")]
+    return get_pool(1).run(train_scenarios.train_then_score, argv=argv)[0], tasks
 
 
 @pytest.mark.slow
@@ -102,12 +126,17 @@ def test_scores_equal_a_direct_computation(one_process) -> None:
     each (context, choice) row: log_softmax, summed over the choice's tokens."""
     run, _ = one_process
     record = eval_record(run)
-    direct = run["direct"]  # per question: each choice's log-likelihood
-    right = [lls[q["label"]] for lls, q in zip(direct, QUESTIONS, strict=True)]
+    direct = run["direct"]["tiny_task"]  # per question: each choice's (log-likelihood, greedy)
+    right = [choices[q["label"]][0] for choices, q in zip(direct, QUESTIONS, strict=True)]
     assert record["eval_tiny_task_ll"] == pytest.approx(sum(right) / len(right), rel=1e-6)
     task = Task("t", tuple(Question(q["context"], tuple(q["choices"]), q["label"]) for q in QUESTIONS))  # fmt: skip
-    acc, acc_norm = accuracies(task, [ll for lls in direct for ll in lls])
+    acc, acc_norm = accuracies(task, [ll for choices in direct for ll, _ in choices])
     assert (record["eval_tiny_task_acc"], record["eval_tiny_task_acc_norm"]) == (acc, acc_norm)
+    completions = [c for (c,) in run["direct"]["tiny_completion"]]
+    mean_ll = sum(ll for ll, _ in completions) / len(completions)
+    assert record["eval_tiny_completion_ll"] == pytest.approx(mean_ll, rel=1e-6)
+    exact = sum(greedy for _, greedy in completions) / len(completions)
+    assert record["eval_tiny_completion_exact_match"] == exact
     assert math.isfinite(record["eval_seconds"])
 
 
@@ -127,15 +156,16 @@ MEASURED: dict[str, float] = {}
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_the_same_scores_under_every_layout(layout, one_process, tmp_path) -> None:
-    base, task = one_process
+    base, tasks = one_process
     ngpu, args = LAYOUTS[layout]
-    argv = [*SMALL, "--eval.tasks", str(task), "--job.dump_folder", str(tmp_path / "run"), *args]
+    argv = [*SMALL, "--eval.tasks", tasks, "--job.dump_folder", str(tmp_path / "run"), *args]
     run = get_pool(ngpu).run(train_scenarios.train, argv=argv)[0]
     got, expected = eval_record(run), eval_record(base)
     difference = abs(got["eval_tiny_task_ll"] - expected["eval_tiny_task_ll"])
     MEASURED[layout] = difference / abs(expected["eval_tiny_task_ll"])
     (tmp_path.parent / "eval_parity.json").write_text(json.dumps(MEASURED))
     assert got["eval_tiny_task_ll"] == pytest.approx(expected["eval_tiny_task_ll"], rel=1e-5)
-    for key in ("eval_tiny_task_acc", "eval_tiny_task_acc_norm"):
+    assert got["eval_tiny_completion_ll"] == pytest.approx(expected["eval_tiny_completion_ll"], rel=1e-5)  # fmt: skip
+    for key in ("eval_tiny_task_acc", "eval_tiny_task_acc_norm", "eval_tiny_completion_exact_match"):  # fmt: skip
         assert got[key] == expected[key], key
     assert torch.isfinite(torch.tensor(got["eval_tiny_task_ll"]))

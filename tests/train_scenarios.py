@@ -56,27 +56,32 @@ def train(rank: int, world: int, argv: list[str]) -> dict[str, Any] | None:
 
 
 def train_then_score(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
-    """One process: train (its eval scores the task at the last step), then compute each
-    choice's log-likelihood directly from the trained model (a plain forward, log_softmax,
-    summed over the choice's tokens), per question of the run's one task file."""
+    """One process: train (its eval scores the tasks at the last step), then score each
+    task file's rows directly from the trained model (a plain forward, log_softmax): per
+    question, each choice's (or the target's) summed log-likelihood and whether every one of
+    its tokens is the most likely one there."""
     cfg = load_config(["--job.config_file", DEBUG_CONFIG, *argv])
     trainer = Trainer(cfg)
     try:
         trainer.train()
         model, tok = trainer.model.modules[0], trainer.tokenizer
-        direct = []
-        rows = [json.loads(line) for line in Path(cfg.eval.tasks[0]).read_text().splitlines()]
+        direct = {}
         with torch.no_grad():
-            for row in rows:
-                context = tok.encode(row["context"], bos=True, eos=False)
-                lls = []
-                for choice in row["choices"]:
-                    ids = tok.encode(choice, bos=False, eos=False)
-                    tokens = torch.tensor([context + ids])
-                    logp = torch.log_softmax(model(tokens[:, :-1]).double(), -1)[0]
-                    at = len(context) - 1
-                    lls.append(sum(float(logp[at + i, t]) for i, t in enumerate(ids)))
-                direct.append(lls)
+            for task in cfg.eval.tasks:
+                rows = [json.loads(line) for line in Path(task).read_text().splitlines()]
+                scored = direct[Path(task).stem] = []
+                for row in rows:
+                    context = tok.encode(row["context"], bos=True, eos=False)
+                    per_choice = []
+                    for choice in row.get("choices", [row.get("target")]):
+                        ids = tok.encode(choice, bos=False, eos=False)
+                        tokens = torch.tensor([context + ids])
+                        logp = torch.log_softmax(model(tokens[:, :-1]).double(), -1)[0]
+                        at = len(context) - 1
+                        ll = sum(float(logp[at + i, t]) for i, t in enumerate(ids))
+                        greedy = all(int(logp[at + i].argmax()) == t for i, t in enumerate(ids))
+                        per_choice.append((ll, greedy))
+                    scored.append(per_choice)
     finally:
         trainer.close()
     return {**read_run(Path(cfg.job.dump_folder)), "direct": direct}

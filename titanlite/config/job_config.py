@@ -334,9 +334,9 @@ class Eval:
     """Score the tasks periodically (and after the last step)."""
     freq: int = 50
     """Every this many steps."""
-    tasks: list[str] = field(default_factory=lambda: ["sotu_next_sentence"])
-    """Built-in task names (sotu_next_sentence) or JSONL task files (docs/evaluation.md has the format)."""
-    limit: int = 200
+    tasks: list[str] = field(default_factory=lambda: ["sotu_word_order"])
+    """Built-in tasks (sotu_word_order, sotu_next_sentence) or JSONL task files (docs/evaluation.md has the format)."""
+    limit: int = 100
     """Questions scored per task (0 = all)."""
     batch_size: int = 16
     """Rows (one per question and choice) per forward pass."""

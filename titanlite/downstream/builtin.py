@@ -1,11 +1,15 @@
-"""The built-in task, ``sotu_next_sentence``: which sentence comes next?
+"""The built-in tasks, made from the held-out speeches of the built-in corpus (the documents
+``validation.holdout_fraction`` keeps out of training, so no run trained on them). Each
+question is three consecutive sentences of a speech and four candidates for the fourth:
 
-Made from the held-out speeches of the built-in corpus (the documents
-``validation.holdout_fraction`` keeps out of training, so the model never trained on them):
-each question is three consecutive sentences of a speech and four candidates for the fourth,
-the true one and three drawn from other held-out speeches. Chance is 25%; a model that learned
-some English and some of the speeches' style does better. The questions depend only on the
-corpus and the holdout fraction (a fixed seed), so every run and every layout sees the same.
+- ``sotu_word_order``: the true sentence and three copies of it with the words shuffled. A
+  model that learned any English word order tells them apart: the debug config's run gets
+  most of them right within its 100 steps, so this is the one its examples show.
+- ``sotu_next_sentence``: the true sentence and three drawn from other held-out speeches. This
+  needs the context: the debug run stays at chance (25%) on it; larger, longer runs do not.
+
+The questions depend only on the corpus and the holdout fraction (fixed seeds), so every run
+and every layout sees the same.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import re
 from titanlite.data.sources import in_validation, sotu_files
 from titanlite.downstream.tasks import Question, Task
 
-NAME = "sotu_next_sentence"
+NAMES = ("sotu_word_order", "sotu_next_sentence")
 CONTEXT_SENTENCES = 3
 CHOICES = 4
 SEED = 0
@@ -29,8 +33,9 @@ def sentences(text: str) -> list[str]:
     return [s for s in parts if 40 <= len(s) <= 300]
 
 
-def build(holdout_fraction: float, limit: int) -> Task:
-    """Up to ``limit`` questions (0: one per four sentences of every held-out speech)."""
+def build(name: str, holdout_fraction: float, limit: int) -> Task:
+    """Up to ``limit`` questions of the built-in task ``name`` (0: one per four sentences of
+    every held-out speech)."""
     speeches = [p.read_text(encoding="utf-8") for p in sotu_files()]
     held_out = [sentences(t) for t in speeches if in_validation(t, holdout_fraction)]
     held_out = [s for s in held_out if len(s) > CONTEXT_SENTENCES]
@@ -38,7 +43,7 @@ def build(holdout_fraction: float, limit: int) -> Task:
         from titanlite.errors import UserError
 
         raise UserError(
-            f"eval.tasks: {NAME} needs held-out speeches; validation.holdout_fraction "
+            f"eval.tasks: {name} needs held-out speeches; validation.holdout_fraction "
             f"{holdout_fraction} keeps fewer than 2 of the corpus out of training"
         )
     rng = random.Random(SEED)
@@ -48,8 +53,21 @@ def build(holdout_fraction: float, limit: int) -> Task:
         for start in range(0, len(speech) - CONTEXT_SENTENCES, CONTEXT_SENTENCES + 1):
             context = " ".join(speech[start : start + CONTEXT_SENTENCES])
             true = speech[start + CONTEXT_SENTENCES]
-            choices = [true, *rng.sample(others, CHOICES - 1)]
+            if name == "sotu_word_order":
+                choices = [true, *(_shuffled(true, rng) for _ in range(CHOICES - 1))]
+            else:
+                choices = [true, *rng.sample(others, CHOICES - 1)]
             rng.shuffle(choices)
             questions.append(Question(context, tuple(" " + c for c in choices), choices.index(true)))  # fmt: skip
     rng.shuffle(questions)
-    return Task(NAME, tuple(questions[:limit] if limit else questions))
+    return Task(name, tuple(questions[:limit] if limit else questions))
+
+
+def _shuffled(sentence: str, rng: random.Random) -> str:
+    """The sentence's words in another order (sentences here have at least 40 characters)."""
+    words = sentence.split()
+    for _ in range(10):
+        order = rng.sample(words, len(words))
+        if order != words:
+            return " ".join(order)
+    return " ".join(reversed(words))

@@ -43,8 +43,8 @@ def load_tasks(config: Eval, holdout_fraction: float) -> list[Task]:
     """The tasks ``config.tasks`` names (built-in names or JSONL files), ``limit`` each."""
     tasks = []
     for name in config.tasks:
-        if name == builtin.NAME:
-            tasks.append(builtin.build(holdout_fraction, config.limit))
+        if name in builtin.NAMES:
+            tasks.append(builtin.build(name, holdout_fraction, config.limit))
         else:
             task = read_task(Path(resolve_path(name)))
             questions = task.questions[: config.limit] if config.limit else task.questions
@@ -124,20 +124,27 @@ class Evaluator:
         shown = []
         model.train(False)
         for task, rows in zip(self.tasks, self.rows, strict=True):
-            sums = self._row_sums(model, rows, sum(len(q.choices) for q in task.questions))
+            sums, misses = self._row_scores(model, rows, sum(len(q.choices) for q in task.questions))  # fmt: skip
             log_likelihoods = [-s for s in sums]
+            name = f"eval_{task.name}"
+            record[f"{name}_ll"] = right_log_likelihood(task, log_likelihoods)
+            if task.completion:
+                record[f"{name}_exact_match"] = sum(m == 0 for m in misses) / len(misses)
+                shown.append(f"{task.name} exact_match {record[f'{name}_exact_match']:.3f}")
+                continue
             acc, acc_norm = accuracies(task, log_likelihoods)
-            record[f"eval_{task.name}_acc"] = acc
-            record[f"eval_{task.name}_acc_norm"] = acc_norm
-            record[f"eval_{task.name}_ll"] = right_log_likelihood(task, log_likelihoods)
+            record[f"{name}_acc"], record[f"{name}_acc_norm"] = acc, acc_norm
             shown.append(f"{task.name} acc {acc:.3f} acc_norm {acc_norm:.3f}")
         model.train(True)
         seconds = time.perf_counter() - started
         record["eval_seconds"] = seconds
         metrics.log(record, f"eval at step {step} | {' | '.join(shown)} | {seconds:.1f} s")
 
-    def _row_sums(self, model: ParallelModel, rows: list[Row], total: int) -> list[float]:
-        """Every row's summed loss (all ranks' rows; each rank computes its own)."""
+    def _row_scores(
+        self, model: ParallelModel, rows: list[Row], total: int
+    ) -> tuple[list[float], list[int]]:
+        """Every row's summed loss and count of targets greedy decoding misses (all ranks'
+        rows; each rank computes its own)."""
         device = next(model.parts[0].parameters()).device
         size = self.config.batch_size
         batches = [rows[i : i + size] for i in range(0, len(rows), size)]
@@ -145,15 +152,15 @@ class Evaluator:
         count = distributed.all_reduce(
             torch.tensor(len(batches)), dist.ReduceOp.MAX, self.loss_group
         )
-        sums = torch.zeros(total, dtype=torch.float64, device=device)
+        scores = torch.zeros(2, total, dtype=torch.float64, device=device)
         for i in range(int(count)):
             batch = batches[i] if i < len(batches) else []
             inputs, labels = self._tensors(batch, device)
-            local = model.row_sums(inputs, labels).double()
-            for row, value in zip(batch, local, strict=False):
-                sums[row.index] = value
-        sums = distributed.all_reduce(sums, dist.ReduceOp.SUM, self.loss_group)
-        return sums.tolist()
+            sums, misses = model.row_scores(inputs, labels)
+            for j, row in enumerate(batch):
+                scores[0, row.index], scores[1, row.index] = sums[j], misses[j]
+        scores = distributed.all_reduce(scores, dist.ReduceOp.SUM, self.loss_group)
+        return scores[0].tolist(), [int(m) for m in scores[1].tolist()]
 
     def _tensors(self, batch: list[Row], device: torch.device) -> tuple[torch.Tensor, ...]:
         """(inputs, labels) of a batch, padded to a length the layout splits; an empty batch

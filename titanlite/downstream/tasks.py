@@ -1,4 +1,4 @@
-"""Downstream tasks: multiple-choice questions a model answers by likelihood.
+"""Downstream tasks: multiple-choice questions a model answers by likelihood, and completions.
 
 A task is a JSONL file, one question per line::
 
@@ -10,6 +10,14 @@ choice) are required; other fields are ignored. HellaSwag, ARC, PIQA and MMLU ar
 this (``scripts/make_eval_task.py`` converts them). The model's answer is the choice whose
 tokens have the largest summed log-likelihood after the context (``acc``), or the largest per
 character of the choice (``acc_norm``, which does not favour short choices).
+
+A completion task's lines have ``context`` and ``target`` instead::
+
+    {"context": "2 + 2 =", "target": " 4"}
+
+scored by exact match (greedy decoding from the context produces exactly the target's tokens:
+at every target position the target token is the most likely one) and by the target's
+log-likelihood. A file holds one kind of line.
 
 Everything here is plain Python: tasks are read and checked before training starts, so a bad
 file is a one-line error naming the file and line, never a failure mid-run.
@@ -27,14 +35,19 @@ from titanlite.errors import UserError
 @dataclass(frozen=True)
 class Question:
     context: str
-    choices: tuple[str, ...]
+    choices: tuple[str, ...]  # a completion task's one target
     label: int
+    completion: bool = False
 
 
 @dataclass(frozen=True)
 class Task:
     name: str
     questions: tuple[Question, ...]
+
+    @property
+    def completion(self) -> bool:
+        return self.questions[0].completion
 
 
 def read_task(path: Path) -> Task:
@@ -48,6 +61,8 @@ def read_task(path: Path) -> Task:
                 questions.append(_question(line, f"{path}:{number}"))
     if not questions:
         raise UserError(f"eval.tasks: {path} holds no questions")
+    if len({q.completion for q in questions}) > 1:
+        raise UserError(f"eval.tasks: {path} mixes multiple-choice and completion lines; use one kind per file")  # fmt: skip
     return Task(path.stem, tuple(questions))
 
 
@@ -58,12 +73,16 @@ def _question(line: str, where: str) -> Question:
         raise UserError(f"{where}: not a JSON object ({e.msg})") from None
     if not isinstance(row, dict):
         raise UserError(f"{where}: not a JSON object")
-    missing = [k for k in ("context", "choices", "label") if k not in row]
+    if not isinstance(row.get("context"), str):
+        raise UserError(f"{where}: context must be a string" if "context" in row else f"{where}: missing context")  # fmt: skip
+    if "target" in row and "choices" not in row:  # a completion
+        if not isinstance(row["target"], str) or not row["target"]:
+            raise UserError(f"{where}: target must be a non-empty string")
+        return Question(row["context"], (row["target"],), 0, completion=True)
+    missing = [k for k in ("choices", "label") if k not in row]
     if missing:
-        raise UserError(f"{where}: missing {', '.join(missing)} (a question needs context, choices and label)")  # fmt: skip
+        raise UserError(f"{where}: missing {', '.join(missing)} (a question needs context, choices and label; a completion context and target)")  # fmt: skip
     context, choices, label = row["context"], row["choices"], row["label"]
-    if not isinstance(context, str):
-        raise UserError(f"{where}: context must be a string")
     if not isinstance(choices, list) or len(choices) < 2 or not all(isinstance(c, str) and c for c in choices):  # fmt: skip
         raise UserError(f"{where}: choices must be a list of two or more non-empty strings")
     if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < len(choices):

@@ -98,18 +98,25 @@ class ParallelModel:
                 return self.pipeline.evaluate(inputs, labels)
             return _full(self.loss_sum(self(inputs), self.local_labels(labels)))
 
-    def row_sums(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Forward only: each row's summed loss over this rank's target tokens, [batch] (its
-        context chunks under CP; add them up over the loss group). Not under PP yet."""
+    def row_scores(
+        self, inputs: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward only, per row [batch]: the summed loss over this rank's target tokens, and
+        how many of them are not the model's most likely token there (0 for every token of a
+        row: greedy decoding would produce its targets). This rank's context chunks under CP:
+        add both up over the loss group. Not under PP yet."""
         if self.pipeline is not None:
-            raise RuntimeError("per-row losses are not computed through a pipeline yet")
+            raise RuntimeError("per-row scores are not computed through a pipeline yet")
         with self._train_context():
             labels = self.local_labels(labels)
+            logits = self(inputs)
             ce = F.cross_entropy(
-                self(inputs).flatten(0, 1), labels.flatten(), reduction="none",
+                logits.flatten(0, 1), labels.flatten(), reduction="none",
                 ignore_index=IGNORE_INDEX,
             )  # fmt: skip
-            return _full(ce).view(labels.shape).sum(1)
+            # (under loss parallel the vocabulary is gathered for this: eval batches are small)
+            misses = (_full(logits).argmax(-1) != labels) & (labels != IGNORE_INDEX)
+            return _full(ce).view(labels.shape).sum(1), misses.sum(1)
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits of this rank's tokens from whole sequences [batch, seq] of ids: under

@@ -34,7 +34,7 @@ from titanlite.config import (
 )
 from titanlite.config.layout import Degrees, PipelinePlan, pipeline_plan
 from titanlite.dtypes import DTYPES
-from titanlite.loss import cross_entropy_sum
+from titanlite.loss import TrainingLoss
 from titanlite.metrics import local_bytes
 from titanlite.models import moe
 from titanlite.models.layers import count_params
@@ -71,7 +71,7 @@ def dry_run(cfg: JobConfig, world_size: int, tokenizer_vocab: int) -> str:
             activation_checkpoint=cfg.activation_checkpoint,
             compile=cfg.compile,
             device=None,
-            loss_sum=cross_entropy_sum,
+            loss_sum=TrainingLoss(cfg.training.z_loss_weight),
             converters=converters.build(cfg.model.converters),
         ).parts
         plan = pipeline_plan(cfg.parallelism, degrees, args.n_layers, cfg.training.local_batch_size)

@@ -72,15 +72,16 @@ class MoETracker:
             return None
         return torch.stack(rows)
 
-    def after_step(self, log: bool) -> dict[str, float] | None:
-        """Bias updates (every step, when on) and, at a log step, the metrics."""
+    def after_step(self, log: bool, update: bool = True) -> dict[str, float] | None:
+        """Bias updates (every step, when on, unless the step's ``update`` was skipped) and,
+        at a log step, the metrics."""
         step = self._take()
         if step is None or not (self.balancing or log):
             return None
         if self.group is not None and dist.get_world_size(self.group) > 1:
             dist.all_reduce(step, group=self.group)
         counts = step[:, :-2]
-        if self.balancing:
+        if self.balancing and update:
             with torch.no_grad():
                 for layer, load in zip(self.layers, counts, strict=True):
                     if layer.bias_update_rate > 0:

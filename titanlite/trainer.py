@@ -26,8 +26,7 @@ from titanlite.data.batches import IGNORE_INDEX
 from titanlite.data.build import build_training_data
 from titanlite.data.documents import DocumentMask
 from titanlite.dtypes import DTYPES
-from titanlite.errors import TrainingDiverged
-from titanlite.loss import cross_entropy_sum
+from titanlite.loss import StepLoss, TrainingLoss
 from titanlite.metrics import format_duration, model_state_bytes
 from titanlite.models.layers import count_params
 from titanlite.moe_tracker import MoETracker
@@ -36,6 +35,7 @@ from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.parallelize import parallelize
 from titanlite.parallel.pipeline import tied_copy
 from titanlite.profiling import profiling
+from titanlite.stability import SpikeGuard, check_finite
 from titanlite.stop_vote import StopVote
 from titanlite.validate import Validator
 
@@ -92,10 +92,11 @@ class Trainer:
         if t.document_mask:
             bos, eos = self.tokenizer.bos_id, self.tokenizer.eos_id
             documents = DocumentMask(bos, eos, t.document_positions)
+        self.loss = TrainingLoss(t.z_loss_weight)  # cross-entropy (+ z-loss): loss.py
         self.model = parallelize(
             model, self.spec, self.model_args, self.dims,
             parallelism=cfg.parallelism, training=t, activation_checkpoint=cfg.activation_checkpoint,
-            compile=cfg.compile, device=self.device, loss_sum=cross_entropy_sum,
+            compile=cfg.compile, device=self.device, loss_sum=self.loss,
             converters=converters.build(cfg.model.converters),
             init_weights=not will_load_weights(c, checkpoint_folder), documents=documents,
         )  # fmt: skip
@@ -139,6 +140,8 @@ class Trainer:
             run_info.write_run_files(self.dump_folder, to_toml(cfg), facts)
         self.metrics = run_info.metrics_logger(cfg, self.dump_folder, self.dist.is_main)
         self.step_logger = run_info.StepLogger(throughput, self.metrics, t.steps)
+        # Skips the update of a spiking or non-finite step; checkpointed inside train_state.
+        self.guard = SpikeGuard.of(t, self.metrics.log, checkpointed=self.state.nested)
         self.validator = Validator(
             cfg.validation, self.data.validation_sources, tokenizer=self.tokenizer,
             batch_rank=self.dims.batch_rank, batch_ranks=self.dims.batch_size,
@@ -188,20 +191,24 @@ class Trainer:
                     self.step_logger.waited_for_data(time.perf_counter() - t0)
                     log = step == first_step or step % cfg.metrics.log_freq == 0 or step == total
                     with self.step_logger.sync_check():
-                        loss_sum, n_tokens, grad_norm, moe_metrics = self.train_step(batches, log)
+                        losses, grad_norm, moe_metrics = self.train_step(batches, log)
                     if step == first_step:
                         self.step_logger.startup_done(self.startup)
                         heartbeat.set_timeouts(cfg.comm.timeout_seconds)
                         self.heartbeat.set_timeout(cfg.comm.timeout_seconds)
                     # This rank's tokens (under context parallelism its share of each sequence).
                     self.step_logger.trained(sum(y.numel() for _, y in batches) // self.cp)
-                    self.state.add_tokens(n_tokens)
+                    self.state.add_tokens(losses.n_tokens)
                     if log:  # only a logged step reduces its loss and reads values on the host
-                        loss = self.global_loss(loss_sum, n_tokens)
-                        self._check_finite(loss, grad_norm)
+                        terms = dict(zip(self.loss.names, losses.mean().tolist(), strict=True))
+                        loss, norm = terms.pop("loss"), float(grad_norm)
+                        if self.guard is None:
+                            check_finite(loss, norm, step)
+                        else:
+                            terms.update(self.guard.metrics())
                         self.step_logger.log(run_info.StepStats(
-                            step, float(loss), float(grad_norm), self.last_lr,
-                            self.state.tokens_seen, sum(self.model_state.values()), moe_metrics,
+                            step, loss, norm, self.last_lr, self.state.tokens_seen,
+                            sum(self.model_state.values()), {**terms, **(moe_metrics or {})},
                         ))  # fmt: skip
                     with self.step_logger.paused():  # validation and saves are not training
                         self._after_step(step, last=step == total)
@@ -238,10 +245,10 @@ class Trainer:
 
     def train_step(
         self, batches: list[tuple[torch.Tensor, torch.Tensor]], log: bool = True
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float] | None]:
-        """One optimizer step over the micro-batches; returns (this rank's loss sum, global
-        target tokens, gradient norm before clipping), all on the device and unread (the
-        mean loss is ``global_loss`` of the first two), and at ``log`` steps the MoE metrics."""
+    ) -> tuple[StepLoss, torch.Tensor, dict[str, float] | None]:
+        """One optimizer step over the micro-batches (no update if the spike guard skips it):
+        the loss terms (this rank's sums, reduced when read), the gradient norm before
+        clipping (on the device, unread) and, at ``log`` steps, the MoE metrics."""
         # Every rank needs the global count of target tokens before backward: the loss is a
         # sum divided by it, so accumulation, parallelism and padding never change it. It
         # stays a device tensor (no host synchronization; NCCL reduces it asynchronously).
@@ -252,40 +259,31 @@ class Trainer:
         n_tokens = distributed.all_reduce(tokens, dist.ReduceOp.SUM, loss_group)
         # Data-parallel engines average gradients over the batch (x cp) ranks; undo that.
         scale = self.dims.grad_average_size / n_tokens
-        loss_sum = torch.zeros((), device=self.device)
+        loss_sums = torch.zeros(len(self.loss.names), device=self.device)
         for i, (inputs, labels) in enumerate(batches):
             inputs = inputs.to(self.device, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
             with self.model.grad_sync(i == len(batches) - 1):
-                loss_sum += self.model.forward_backward(inputs, labels, scale)
+                loss_sums += self.model.forward_backward(inputs, labels, scale)
         self.model.finish_gradients()
         grad_norm = clip_grad_norm_(
             self.params, self.cfg.training.max_norm, self.stage_group, self.model.norm_skip
         )
+        losses = StepLoss(loss_sums, n_tokens, loss_group)
+        step = self.state.step
+        update = self.guard is None or self.guard.accept(losses.mean()[0], grad_norm, step)
         self.last_lr = self.lr_schedulers[0].get_last_lr()[0]  # the rate this step uses
         for optimizer, scheduler in zip(self.optimizers, self.lr_schedulers, strict=True):
-            optimizer.step()
-            scheduler.step()
-        # Routing biases move (when on) after the step; metrics only at log steps.
-        moe_metrics = self.moe.after_step(log=log) if self.moe is not None else None
-        if self.model_state is None:  # sizes are fixed after the first step creates them
+            if update:
+                optimizer.step()
+            scheduler.step()  # a skipped step still counts
+        # Routing biases move (when on) after an update; metrics only at log steps.
+        moe_metrics = self.moe.after_step(log=log, update=update) if self.moe else None
+        if self.model_state is None or not self.model_state["optimizer"]:  # after an update
             self.model_state = model_state_bytes(self.model.parts, self.optimizers)
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
-        return loss_sum, n_tokens, grad_norm, moe_metrics
-
-    def global_loss(self, loss_sum: torch.Tensor, n_tokens: torch.Tensor) -> torch.Tensor:
-        """The step's mean loss over every target token of the global batch (a collective
-        over the loss group: every rank of it calls this at the same steps)."""
-        group = self.dims.group("loss")
-        return distributed.all_reduce(loss_sum, dist.ReduceOp.SUM, group) / n_tokens
-
-    def _check_finite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        if not torch.isfinite(loss).item() or not torch.isfinite(grad_norm).item():
-            raise TrainingDiverged(
-                f"loss became non-finite at step {self.state.step} (loss {float(loss)}, grad "
-                f"norm {float(grad_norm)}); try a lower optimizer.lr or a longer warmup"
-            )
+        return losses, grad_norm, moe_metrics
 
     def close(self, abandon: bool = False) -> None:
         """Finish a save in flight and close the loggers; ``abandon`` (a rank was lost):

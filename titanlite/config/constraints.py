@@ -12,6 +12,9 @@ from titanlite.config.job_config import ConfigError, JobConfig
 from titanlite.config.schema import dataset_name
 from titanlite.errors import Problems
 
+SPIKE_VALUES = ("loss", "grad_norm")
+"""What training.skip_spikes may watch: the step's global loss and gradient norm."""
+
 
 def validate(cfg: JobConfig) -> None:
     """Checks that need no knowledge of the world size; one ConfigError listing every failure."""
@@ -34,6 +37,22 @@ def validate(cfg: JobConfig) -> None:
     )
     require(0 <= t.seed < 2**32, "training.seed", "must be in [0, 2**32)")
     require(t.max_norm >= 0, "training.max_norm", "must be >= 0 (0 disables clipping)")
+    require(t.z_loss_weight >= 0, "training.z_loss_weight", "must be >= 0 (0 = off)")
+    require(
+        set(t.skip_spikes) <= set(SPIKE_VALUES),
+        "training.skip_spikes",
+        f"must name only {', '.join(SPIKE_VALUES)}",
+    )
+    require(t.spike_window >= 2, "training.spike_window", "must be at least 2")
+    require(t.spike_sigmas > 0, "training.spike_sigmas", "must be > 0")
+    require(
+        t.max_skipped >= 0, "training.max_skipped", "must be >= 0 (0 = stop at a non-finite loss)"
+    )
+    require(
+        not t.skip_spikes or t.max_skipped >= 1,
+        "training.max_skipped",
+        "must be at least 1 with training.skip_spikes (the skipped steps allowed in a row)",
+    )
     for i, entry in enumerate(t.datasets):
         if not entry.weight > 0:
             problems.add(f"training.datasets[{i}].weight: must be > 0, got {entry.weight!r}")

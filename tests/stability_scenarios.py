@@ -42,14 +42,19 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def train_with_spikes(
     rank: int, world: int, argv: list[str], *, spikes: dict[int, str], watch: list[int]
 ) -> dict[str, Any]:
     """Train with a spike injected into the gradients at the steps of ``spikes``: "scale"
     multiplies every rank's gradients by 1000, "nan" puts a NaN into one element of rank 0's
-    (only). For each step of ``watch``, whether this rank's parameters and optimizer state
-    came out of the step bit-identical. Every rank returns that, its schedule's and
-    optimizer's step counts; rank 0 also what the run wrote (read_run)."""
+    (only). For each step of ``watch``, whether this rank's parameters, optimizer state and
+    average of the weights (if any) came out of the step bit-identical. Every rank returns
+    that, its schedule's and optimizer's step counts; rank 0 also what the run wrote
+    (read_run) and the whole average at the end."""
     cfg = load_config(["--job.config_file", DEBUG_CONFIG, *argv])
     trainer = Trainer(cfg)
     finish = trainer.model.finish_gradients
@@ -72,7 +77,8 @@ def train_with_spikes(
             for v in s.values()
             if torch.is_tensor(v)
         ]
-        return params + state
+        average = list(trainer.ema.average.values()) if trainer.ema is not None else []
+        return params + state + [_local(a).clone() for a in average]
 
     unchanged: dict[int, bool] = {}
     take_step = trainer.train_step
@@ -99,8 +105,52 @@ def train_with_spikes(
             "schedule_steps": trainer.lr_schedulers[0].last_epoch,
             "optimizer_steps": sorted(adam_steps),
         }
+        if trainer.ema is not None:  # gathered on every rank (a collective)
+            average = {name: _full(a) for name, a in trainer.ema.average.items()}
     finally:
         trainer.close()
     if rank == 0:
         result.update(read_run(Path(cfg.job.dump_folder)))
+        if trainer.ema is not None:
+            result["average"] = average
     return result
+
+
+def train_with_weight_snapshots(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
+    """Train with training.ema_decay, keeping the whole weights before the first step and
+    after every step. Every rank returns whether it kept the average sharded as the
+    weights; rank 0 also the snapshots, the whole average at the end and the dump folder."""
+    cfg = load_config(["--job.config_file", DEBUG_CONFIG, *argv])
+    trainer = Trainer(cfg)
+    ema = trainer.ema
+    assert ema is not None, "training.ema_decay is not set"
+
+    def whole() -> dict[str, torch.Tensor]:
+        return {name: _full(p.detach()).clone() for name, p in ema.params.items()}
+
+    snapshots = [whole()]
+    take_step = trainer.train_step
+
+    def train_step(batches: list, log: bool = True) -> Any:
+        out = take_step(batches, log)
+        snapshots.append(whole())
+        return out
+
+    trainer.train_step = train_step
+    try:
+        trainer.train()
+        average = {name: _full(a).clone() for name, a in ema.average.items()}
+        sharded = all(
+            type(a) is type(p) and getattr(a, "placements", None) == getattr(p, "placements", None)
+            for a, p in zip(ema.average.values(), ema.params.values(), strict=True)
+        )
+    finally:
+        trainer.close()
+    if rank != 0:
+        return {"sharded": sharded}
+    return {
+        "snapshots": snapshots,
+        "average": average,
+        "sharded": sharded,
+        "folder": cfg.job.dump_folder,
+    }

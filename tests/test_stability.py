@@ -223,7 +223,7 @@ SKIP_ARGS = (
     *TINY, "--training.steps", str(SKIP_STEPS), "--training.local_batch_size", "4",
     "--parallelism.data_parallel_shard_degree", "2",
     "--training.skip_spikes", "loss,grad_norm", "--training.spike_window", "3",
-    "--training.max_skipped", "2",
+    "--training.max_skipped", "2", "--training.ema_decay", "0.9",
     "--checkpoint.enable", "true", "--checkpoint.interval", "4", "--checkpoint.keep_latest_k", "0",
 )  # fmt: skip
 
@@ -251,7 +251,8 @@ def spiked(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
 def test_a_spike_skips_the_update_on_every_rank_and_the_run_goes_on(spiked) -> None:
     _, ranks = spiked
     for rank in ranks:
-        # Skipped steps leave parameters and optimizer state bit-identical; the others not.
+        # Skipped steps leave parameters, optimizer state and the average of the weights
+        # bit-identical; the others do not.
         assert rank["unchanged"] == {3: False, 4: True, 5: False, 6: True, 7: True}
         assert rank["schedule_steps"] == SKIP_STEPS  # the learning-rate schedule went on
         assert rank["optimizer_steps"] == [SKIP_STEPS - len(SPIKES)]  # AdamW's own count
@@ -269,7 +270,8 @@ def test_a_spike_skips_the_update_on_every_rank_and_the_run_goes_on(spiked) -> N
 @pytest.mark.slow
 def test_resume_across_skipped_steps_is_exact(spiked, tmp_path: Path) -> None:
     """Resumed from the save at step 4 (itself skipped), the run skips 6 (a spike only a full
-    window, restored from the checkpoint, can tell) and 7 again, and logs the same values."""
+    window, restored from the checkpoint, can tell) and 7 again, logs the same values and
+    ends with the same average of the weights."""
     import stability_scenarios
     from pool import get_pool
 
@@ -288,3 +290,5 @@ def test_resume_across_skipped_steps_is_exact(spiked, tmp_path: Path) -> None:
         for key in ("loss", "grad_norm", "z_loss", "lr", "skipped_steps", "tokens_seen"):
             assert repr(record[key]) == repr(base[step][key]), (step, key)  # bits; nan too
     assert sorted(train_records(after)) == [5, 6, 7, 8]
+    averages = resumed["average"], ranks[0]["average"]  # training.ema_decay resumed too
+    assert all(torch.equal(a, averages[1][name]) for name, a in averages[0].items())

@@ -26,6 +26,7 @@ from titanlite.data.batches import IGNORE_INDEX
 from titanlite.data.build import build_training_data
 from titanlite.data.documents import DocumentMask
 from titanlite.dtypes import DTYPES
+from titanlite.ema import WeightAverage
 from titanlite.loss import StepLoss, TrainingLoss
 from titanlite.metrics import format_duration, model_state_bytes
 from titanlite.models.layers import count_params
@@ -151,10 +152,11 @@ class Trainer:
 
         # 6. Checkpoints: everything resumable, registered once; resume exactly where the
         # latest complete checkpoint left off.
+        renames = [tied_copy(part, self.spec, self.model_args) for part in self.model.parts]
+        self.ema = WeightAverage.of(self.model.parts, t.ema_decay, renames)  # titanlite/ema.py
         states = build_states(
             self.model.parts, self.optimizers, self.lr_schedulers, self.data.loader,
-            train_state=self.state,
-            renames=[tied_copy(part, self.spec, self.model_args) for part in self.model.parts],
+            train_state=self.state, renames=renames, ema=self.ema,
         )  # fmt: skip
         self.checkpointer = Checkpointer(
             states, c, checkpoint_folder,
@@ -277,6 +279,8 @@ class Trainer:
             if update:
                 optimizer.step()
             scheduler.step()  # a skipped step still counts
+        if update and self.ema is not None:
+            self.ema.update()
         # Routing biases move (when on) after an update; metrics only at log steps.
         moe_metrics = self.moe.after_step(log=log, update=update) if self.moe else None
         if self.model_state is None or not self.model_state["optimizer"]:  # after an update

@@ -203,9 +203,10 @@ def build_states(
     *,
     train_state: TrainState,
     renames: Sequence[dict[str, str]] | None = None,
+    ema: Stateful | None = None,
 ) -> dict[str, Stateful]:
     """The registry the checkpointer saves and restores, under the fixed STATE_KEYS
-    (``renames``: see OptimizerState)."""
+    (``renames``: see OptimizerState; ``ema``, the average of the weights, only when on)."""
     entries = (
         ModelState(parts),
         OptimizerState(parts, optimizers, renames),
@@ -214,4 +215,7 @@ def build_states(
         train_state,
         RNGState(),
     )
-    return dict(zip(STATE_KEYS, entries, strict=True))
+    states = dict(zip(STATE_KEYS, entries, strict=False))
+    if ema is not None:
+        states["ema"] = ema
+    return states

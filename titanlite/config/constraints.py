@@ -43,6 +43,7 @@ def validate(cfg: JobConfig) -> None:
         "training.skip_spikes",
         f"must name only {', '.join(SPIKE_VALUES)}",
     )
+    require(0 <= t.ema_decay < 1, "training.ema_decay", "must be in [0, 1) (0 = off)")
     require(t.spike_window >= 2, "training.spike_window", "must be at least 2")
     require(t.spike_sigmas > 0, "training.spike_sigmas", "must be > 0")
     require(

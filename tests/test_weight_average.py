@@ -74,7 +74,9 @@ def test_exporting_the_average_of_a_checkpoint_without_one_is_a_user_error(
 
     spec = models.get("llama3")
     args = spec.args_from_dict({"dim": 64, "n_layers": 1, "n_heads": 4, "vocab_size": 256})
-    model = spec.build(args)
+    with torch.device("meta"):
+        model = spec.build(args)
+    model.to_empty(device="cpu")  # values do not matter here, shapes do
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path))
     sidecar = {
         "format": 2,
@@ -139,3 +141,78 @@ def test_a_sharded_average_equals_the_direct_one_and_exports_to_transformers(
     with torch.no_grad():
         ours, theirs = averaged(x), hf(x).logits.float()
     assert (ours - theirs).abs().max().item() < 1e-5 * max(ours.abs().max().item(), 1.0)
+
+
+# --- scripts/average_checkpoints.py --------------------------------------------------------------
+
+
+def write_step(folder: Path, *, seed: int, dim: int = 64) -> Path:
+    """A training checkpoint of a tiny Llama (weights drawn from ``seed``), as the trainer
+    writes one: DCP "model" (and an optimizer entry) + titanlite.json."""
+    import dataclasses
+    import json
+
+    import torch.distributed.checkpoint as dcp
+
+    from titanlite import models
+    from titanlite.data.tokenizer import DEFAULT_TOKENIZER_PATH
+
+    spec = models.get("llama3")
+    args = spec.args_from_dict({"dim": dim, "n_layers": 1, "n_heads": 4, "vocab_size": 4096})
+    torch.manual_seed(seed)
+    model = spec.build(args)
+    with torch.no_grad():  # built on the CPU uninitialized
+        for param in model.parameters():
+            param.normal_()
+    state = {"model": model.state_dict(), "optimizer": {"x": torch.ones(2)}}
+    dcp.save(state, checkpoint_id=str(folder))
+    sidecar = {
+        "format": 2, "step": seed, "model_name": "llama3", "model_only": False,
+        "model_args": dataclasses.asdict(args), "tokenizer": str(DEFAULT_TOKENIZER_PATH),
+    }  # fmt: skip
+    (folder / "titanlite.json").write_text(json.dumps(sidecar))
+    return folder
+
+
+@pytest.mark.filterwarnings("ignore:.*assuming the intent is to:UserWarning")
+def test_average_checkpoints_writes_the_mean_model_that_the_tools_take(tmp_path: Path) -> None:
+    sys.path.insert(0, str(REPO / "scripts"))
+    import average_checkpoints
+    import convert_to_hf
+
+    from titanlite.interop.checkpoint_model import load_checkpoint_model
+
+    steps = [write_step(tmp_path / "checkpoint" / f"step-{s}", seed=s) for s in (1, 2, 3)]
+    out = tmp_path / "averaged"
+    assert average_checkpoints.main([*map(str, steps), "--out", str(out)]) == 0
+    loaded = load_checkpoint_model(out)
+    assert loaded.meta["model_only"] is True
+    models = [load_checkpoint_model(s).model.state_dict() for s in steps]
+    for name, value in loaded.model.state_dict().items():
+        mean = sum(m[name].double() for m in models) / 3
+        torch.testing.assert_close(value.double(), mean, rtol=1e-6, atol=1e-7)
+    assert not torch.equal(models[0]["output.weight"], models[1]["output.weight"])
+    assert convert_to_hf.main([str(out), str(tmp_path / "hf")]) == 0  # and initial_load_path
+
+
+@pytest.mark.filterwarnings("ignore:.*assuming the intent is to:UserWarning")
+def test_average_checkpoints_refuses_another_run_or_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sys.path.insert(0, str(REPO / "scripts"))
+    import average_checkpoints
+
+    run = tmp_path / "run" / "checkpoint"
+    one, wider = write_step(run / "step-1", seed=1), write_step(run / "step-2", seed=2, dim=128)
+    other = write_step(tmp_path / "other" / "checkpoint" / "step-3", seed=3)
+    cases = [
+        ([one, wider], "holds another model than"),
+        ([one, other], "the checkpoints are not of one run"),
+        ([one, one], "at least two different checkpoint folders"),
+    ]
+    for paths, message in cases:
+        out = tmp_path / "out"
+        assert average_checkpoints.main([*map(str, paths), "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+        assert not out.exists() or not any(out.iterdir())

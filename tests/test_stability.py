@@ -215,6 +215,39 @@ def test_z_loss_matches_one_process(
     assert all(d <= RTOL for d in worst.values()), worst
 
 
+ROUTER_Z = (
+    "--model.name", "qwen3_moe", "--model.n_layers", "2", "--model.dim", "64",
+    "--model.n_heads", "4", "--model.n_kv_heads", "2", "--model.head_dim", "16",
+    "--model.moe_hidden_dim", "64", "--model.router_z_loss_coef", "0.01",
+    "--training.seq_len", "32", "--training.steps", "4", "--metrics.log_freq", "1",
+    "--validation.enable", "false", "--checkpoint.enable", "false",
+)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_router_z_loss_matches_one_process_on_sequence_shards(tmp_path: Path) -> None:
+    """qwen3_moe with the router z-loss: tp=2 (each rank routes its shard of each sequence)
+    against one process, 4 steps."""
+    import train_scenarios
+    from pool import get_pool
+
+    from titanlite.compare import relative_difference
+
+    runs = {}
+    for world, extra in ((1, ()), (2, ("--parallelism.tensor_parallel_degree", "2"))):
+        argv = [*ROUTER_Z, *extra, "--job.dump_folder", str(tmp_path / str(world))]
+        runs[world] = train_records(
+            get_pool(world).run(train_scenarios.train, argv=argv)[0]["records"]
+        )
+    keys = ("loss", "grad_norm", "moe_router_z_loss")
+    worst = {
+        k: max(relative_difference(runs[1][s][k], runs[2][s][k]) for s in runs[1]) for k in keys
+    }
+    print(f"router z-loss parity tp=2: max relative differences {worst}")
+    assert sorted(runs[2]) == [1, 2, 3, 4] and runs[1][1]["moe_router_z_loss"] > 0
+    assert all(d <= RTOL for d in worst.values()), worst
+
+
 # --- skipped steps in training (worker pool) -----------------------------------------------------
 
 SKIP_STEPS = 8

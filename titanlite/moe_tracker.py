@@ -35,18 +35,23 @@ class MoETracker:
         grad_weight: float = 1.0,
         stage_group: Any = None,
         n_layers: int = 0,
+        seq_len: int = 1,
     ):
-        """``grad_weight`` multiplies the auxiliary loss's gradient (the data-parallel
+        """``grad_weight`` multiplies the auxiliary losses' gradients (the data-parallel
         engines average gradients over that many ranks); under pipeline parallelism
-        ``stage_group`` (pp) gathers the other stages' layers (of ``n_layers``) at log steps."""
+        ``stage_group`` (pp) gathers the other stages' layers (of ``n_layers``) at log steps;
+        ``seq_len`` tokens a sequence (the router z-loss is a mean over the tokens)."""
         self.layers = layers
         self.group = group
         self.global_batch = global_batch
+        self.global_tokens = global_batch * seq_len
+        self.router_z = any(m.router_z_loss_coef > 0 for m in layers)
         self.stage_group = stage_group
         self.n_layers = n_layers
         self.balancing = any(m.bias_update_rate > 0 for m in layers)
-        for m in layers:  # the auxiliary loss is a mean over the global batch's sequences
+        for m in layers:  # means over the global batch's sequences, and its tokens
             m.aux_weight = grad_weight / global_batch
+            m.router_z_weight = grad_weight / self.global_tokens
         self.discard()  # forwards before the first step (a pipeline's warm-up) do not count
 
     @classmethod
@@ -64,7 +69,7 @@ class MoETracker:
         self._take()
 
     def _take(self) -> torch.Tensor | None:
-        """[layers, experts + 2] of the step's training forwards; the layers start afresh."""
+        """[layers, experts + 3] of the step's training forwards; the layers start afresh."""
         rows = [m.totals for m in self.layers]
         for m in self.layers:
             m.totals = None
@@ -80,7 +85,7 @@ class MoETracker:
             return None
         if self.group is not None and dist.get_world_size(self.group) > 1:
             dist.all_reduce(step, group=self.group)
-        counts = step[:, :-2]
+        counts = step[:, :-3]
         if self.balancing and update:
             with torch.no_grad():
                 for layer, load in zip(self.layers, counts, strict=True):
@@ -93,14 +98,16 @@ class MoETracker:
             whole = step.new_zeros(self.n_layers, step.shape[1])
             whole[[m.layer_id for m in self.layers]] = step
             dist.all_reduce(whole, group=self.stage_group)
-            step, counts = whole, whole[:, :-2]
+            step, counts = whole, whole[:, :-3]
         balance = (counts.max(1).values / counts.mean(1).clamp(min=1e-9)).tolist()
         slots = counts.sum(1)
-        dropped = (step[:, -2].sum() / slots.sum().clamp(min=1)).item()
+        dropped = (step[:, -3].sum() / slots.sum().clamp(min=1)).item()
         metrics = {f"moe_load_max_mean_{i}": v for i, v in enumerate(balance)}
         metrics.update(
             moe_load_max_mean=max(balance),
             moe_dropped_fraction=dropped,
-            moe_aux_loss=(step[:, -1].sum() / self.global_batch).item(),
+            moe_aux_loss=(step[:, -2].sum() / self.global_batch).item(),
         )
+        if self.router_z:
+            metrics["moe_router_z_loss"] = (step[:, -1].sum() / self.global_tokens).item()
         return metrics

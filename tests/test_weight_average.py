@@ -90,6 +90,22 @@ def test_exporting_the_average_of_a_checkpoint_without_one_is_a_user_error(
         load_checkpoint_model(tmp_path, ema=True)
 
 
+def test_the_dry_run_counts_the_average_in_the_model_state() -> None:
+    import re
+
+    from titanlite.dry_run import dry_run
+
+    config = str(REPO / "train_configs" / "llama3_8b.toml")
+    cfg = load_config(["--job.config_file", config, "--training.ema_decay", "0.999"])
+    out = dry_run(cfg, 8, 128256)
+    line = re.search(
+        r"model state\s+([\d.]+) GiB per rank \(params ([\d.]+) .* EMA ([\d.]+)\)", out
+    )
+    assert line, out
+    total, params, ema = map(float, line.groups())
+    assert ema == params and total == pytest.approx(5 * params, abs=0.02)  # 4+4+8+4 bytes
+
+
 STEPS, DECAY = 4, 0.5
 
 

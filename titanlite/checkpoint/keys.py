@@ -9,5 +9,6 @@ STATE_KEYS: tuple[str, ...] = (
     "rng",
     "ema",
 )
-"""In this order ``titanlite.checkpoint.states.build_states`` builds the registry; the same
-names are what ``checkpoint.exclude_from_loading`` may list."""
+"""In this order ``titanlite.checkpoint.states.build_states`` builds the registry (the last,
+the average of the weights, only with training.ema_decay); the same names are what
+``checkpoint.exclude_from_loading`` may list."""

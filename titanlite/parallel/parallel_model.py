@@ -1,9 +1,10 @@
 """ParallelModel: what the trainer and the validator see of a parallelized model.
 
 Whatever the layout, one call runs a micro-batch's forward and backward
-(``forward_backward``) and one its forward only (``evaluate``); both return the summed loss
-(terms) over the micro-batch's target tokens, the same on every rank that holds part of it. Pipeline
-stages, context-parallel chunks, loss parallelism and autocast stay inside.
+(``forward_backward``: the summed loss terms) and one its forward only (``evaluate``: the
+summed cross-entropy), over the micro-batch's target tokens, the same on every rank that
+holds part of it. Pipeline stages, context-parallel chunks, loss parallelism and autocast
+stay inside.
 """
 
 from __future__ import annotations

@@ -25,9 +25,10 @@ The auxiliary loss and the router z-loss reach the router through the layer's ow
 the output passes through an identity whose backward also gives the loss terms their
 gradients (``aux_weight``, ``router_z_weight``), so no second loss root is needed and a
 pipeline schedule's backward carries them too. Each training forward adds its tokens per
-expert, dropped slots, auxiliary loss and router z-loss to the layer's running ``totals`` (not when it is recomputed in backward under activation checkpointing);
-the trainer's ``titanlite.moe_tracker.MoETracker`` takes them after the step for the bias
-updates and the metrics. ``last`` keeps the latest forward's record.
+expert, dropped slots, auxiliary loss and router z-loss to the layer's running ``totals``
+(not when it is recomputed in backward under activation checkpointing); the trainer's
+``titanlite.moe_tracker.MoETracker`` takes them after the step for the bias updates and the
+metrics. ``last`` keeps the latest forward's record.
 
 No torch.distributed here: expert parallelism's dispatch and tensor parallelism's sequence
 shards reach the layer through the hooks of ``titanlite.models.interfaces``.
@@ -49,7 +50,7 @@ from titanlite.models.moe.experts import GroupedExperts
 
 @dataclass
 class Record:
-    """What one forward of a layer saw (tensors on the device, detached except ``aux``)."""
+    """What one forward of a layer saw (tensors on the device, detached except the losses)."""
 
     aux: torch.Tensor  # summed over the micro-batch's sequences, with grad
     router_z: torch.Tensor  # coef x logsumexp(router logits)^2 summed over its tokens, with grad

@@ -325,3 +325,28 @@ def test_resume_across_skipped_steps_is_exact(spiked, tmp_path: Path) -> None:
     assert sorted(train_records(after)) == [5, 6, 7, 8]
     averages = resumed["average"], ranks[0]["average"]  # training.ema_decay resumed too
     assert all(torch.equal(a, averages[1][name]) for name, a in averages[0].items())
+
+
+@pytest.mark.slow
+def test_more_skips_in_a_row_than_max_skipped_stop_the_run_with_status_3(tmp_path: Path) -> None:
+    """A learning rate of 1e30 ruins the weights at the first update: from then on every
+    loss is non-finite, each step is skipped, and the third in a row stops the run."""
+    import train_scenarios
+    from pool import get_pool
+
+    from titanlite.metrics_file import find_metrics_file, read_metrics
+
+    out = tmp_path / "run"
+    argv = [
+        *TINY, "--optimizer.lr", "1e30", "--lr_scheduler.warmup_steps", "0",
+        "--training.max_norm", "0", "--training.steps", "20", "--training.max_skipped", "2",
+        "--training.local_batch_size", "2", "--job.dump_folder", str(out),
+    ]  # fmt: skip
+    pool = get_pool(1)
+    assert pool.run(train_scenarios.main, argv=argv)[0] == 3
+    last = pool.last_output[0].strip().splitlines()[-1]
+    assert "3 steps in a row skipped, more than training.max_skipped 2" in last, last
+    skips = read_metrics(find_metrics_file(out)).kind("skip")
+    assert len(skips) == 2 and all(
+        "is nan" in r["reason"] or "is inf" in r["reason"] for r in skips.values()
+    )

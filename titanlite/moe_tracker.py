@@ -43,16 +43,21 @@ class MoETracker:
         ``seq_len`` tokens a sequence (the router z-loss is a mean over the tokens)."""
         self.layers = layers
         self.group = group
-        self.global_batch = global_batch
-        self.global_tokens = global_batch * seq_len
+        self.grad_weight, self.seq_len = grad_weight, seq_len
         self.router_z = any(m.router_z_loss_coef > 0 for m in layers)
         self.stage_group = stage_group
         self.n_layers = n_layers
         self.balancing = any(m.bias_update_rate > 0 for m in layers)
-        for m in layers:  # means over the global batch's sequences, and its tokens
-            m.aux_weight = grad_weight / global_batch
-            m.router_z_weight = grad_weight / self.global_tokens
+        self.set_global_batch(global_batch)
         self.discard()  # forwards before the first step (a pipeline's warm-up) do not count
+
+    def set_global_batch(self, sequences: int) -> None:
+        """The global batch of the coming step (batch-size warmup changes it): the losses are
+        means over its sequences (balancing) and tokens (router z-loss)."""
+        self.global_batch, self.global_tokens = sequences, sequences * self.seq_len
+        for m in self.layers:
+            m.aux_weight = self.grad_weight / self.global_batch
+            m.router_z_weight = self.grad_weight / self.global_tokens
 
     @classmethod
     def of(cls, parts: list[nn.Module], group: Any, **settings: Any) -> MoETracker | None:

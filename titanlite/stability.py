@@ -44,6 +44,17 @@ def check_finite(loss: float, grad_norm: float, step: int) -> None:
         )
 
 
+def finite_or_guarded(
+    guard: SpikeGuard | None, loss: float, grad_norm: float, step: int
+) -> dict[str, float]:
+    """At a logged step: without the guard, stop at a non-finite value (``check_finite``);
+    with it (which skipped such a step already), its fields for the record."""
+    if guard is None:
+        check_finite(loss, grad_norm, step)
+        return {}
+    return guard.metrics()
+
+
 class SpikeGuard:
     """Decides, step by step, whether the optimizer update goes ahead (``accept``).
 

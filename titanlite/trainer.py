@@ -21,6 +21,7 @@ from titanlite.checkpoint.checkpointer import Checkpointer, ModelIdentity, will_
 from titanlite.checkpoint.states import TrainState, build_states
 from titanlite.checks import build_model_args, check
 from titanlite.config import JobConfig, to_toml
+from titanlite.config.batch_ramp import BatchRamp
 from titanlite.config.layout import global_batch_size, gradient_accumulation_steps, resolve_degrees
 from titanlite.data.batches import IGNORE_INDEX
 from titanlite.data.build import build_training_data
@@ -36,7 +37,7 @@ from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.parallelize import parallelize
 from titanlite.parallel.pipeline import tied_copy
 from titanlite.profiling import profiling
-from titanlite.stability import SpikeGuard, check_finite
+from titanlite.stability import SpikeGuard, finite_or_guarded
 from titanlite.stop_vote import StopVote
 from titanlite.validate import Validator
 
@@ -67,6 +68,7 @@ class Trainer:
         degrees = resolve_degrees(cfg, self.dist.world_size)
         self.accum_steps = gradient_accumulation_steps(cfg, degrees)
         self.global_batch = global_batch_size(cfg, degrees)
+        self.ramp = BatchRamp.of(cfg, degrees)  # training.batch_size_schedule
         self.dims = ParallelDims(degrees, self.device.type)
         self.cp = degrees.cp
         if t.deterministic:
@@ -189,7 +191,7 @@ class Trainer:
                     step = self.state.step
                     self.heartbeat.beat(step)
                     t0 = time.perf_counter()
-                    batches = [next(self.train_iter) for _ in range(self.accum_steps)]
+                    batches = [next(self.train_iter) for _ in range(self.ramp.micro_batches(step))]
                     self.step_logger.waited_for_data(time.perf_counter() - t0)
                     log = step == first_step or step % cfg.metrics.log_freq == 0 or step == total
                     with self.step_logger.sync_check():
@@ -204,10 +206,7 @@ class Trainer:
                     if log:  # only a logged step reduces its loss and reads values on the host
                         terms = dict(zip(self.loss.names, losses.mean().tolist(), strict=True))
                         loss, norm = terms.pop("loss"), float(grad_norm)
-                        if self.guard is None:
-                            check_finite(loss, norm, step)
-                        else:
-                            terms.update(self.guard.metrics())
+                        terms.update(finite_or_guarded(self.guard, loss, norm, step))
                         self.step_logger.log(run_info.StepStats(
                             step, loss, norm, self.last_lr, self.state.tokens_seen,
                             sum(self.model_state.values()), {**terms, **(moe_metrics or {})},
@@ -249,13 +248,14 @@ class Trainer:
         self, batches: list[tuple[torch.Tensor, torch.Tensor]], log: bool = True
     ) -> tuple[StepLoss, torch.Tensor, dict[str, float] | None]:
         """One optimizer step over the micro-batches (no update if the spike guard skips it):
-        the loss terms (this rank's sums, reduced when read), the gradient norm before
-        clipping (on the device, unread) and, at ``log`` steps, the MoE metrics."""
+        loss terms (reduced when read), grad norm (unread) and, at ``log`` steps, MoE metrics."""
         # Every rank needs the global count of target tokens before backward: the loss is a
         # sum divided by it, so accumulation, parallelism and padding never change it. It
         # stays a device tensor (no host synchronization; NCCL reduces it asynchronously).
         local_tokens = sum((self.model.local_labels(y) != IGNORE_INDEX).sum() for _, y in batches)
         loss_group = self.dims.group("loss")
+        if self.moe is not None:  # its losses are means over this step's global batch
+            self.moe.set_global_batch(len(batches) * self.ramp.micro)
         # non_blocking: a blocking copy from the host waits for the stream (seen on an H100).
         tokens = torch.as_tensor(local_tokens).to(self.device, non_blocking=True)
         n_tokens = distributed.all_reduce(tokens, dist.ReduceOp.SUM, loss_group)

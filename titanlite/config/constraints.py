@@ -8,6 +8,7 @@ import difflib
 import importlib.util
 
 from titanlite.checkpoint.keys import STATE_KEYS
+from titanlite.config.batch_ramp import parse_schedule
 from titanlite.config.job_config import ConfigError, JobConfig
 from titanlite.config.schema import dataset_name
 from titanlite.errors import Problems
@@ -37,6 +38,10 @@ def validate(cfg: JobConfig) -> None:
     )
     require(0 <= t.seed < 2**32, "training.seed", "must be in [0, 2**32)")
     require(t.max_norm >= 0, "training.max_norm", "must be >= 0 (0 disables clipping)")
+    try:
+        parse_schedule(t.batch_size_schedule)
+    except ValueError as e:
+        problems.add(f"training.batch_size_schedule: {e}")
     require(t.z_loss_weight >= 0, "training.z_loss_weight", "must be >= 0 (0 = off)")
     require(
         set(t.skip_spikes) <= set(SPIKE_VALUES),

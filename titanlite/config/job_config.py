@@ -183,6 +183,8 @@ class Training:
     """Compute dtype of parameters in forward/backward (FSDP casts its gathered shards; other layouts use autocast). Master weights stay float32."""
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
     """Dtype in which FSDP reduces gradients."""
+    batch_size_schedule: list[str] = field(default_factory=list)
+    """Batch-size warmup: "TOKENS:SEQUENCES" entries, each making the global batch SEQUENCES sequences until TOKENS tokens (sequences x seq_len) are trained; after the last, global_batch_size. Each a multiple of local_batch_size x data-parallel degree (it grows by accumulation). Empty = off; docs/stability.md."""
     z_loss_weight: float = 0.0
     """Weight of the z-loss: this times the mean over target tokens of logsumexp(logits)^2 joins the training objective, keeping the output logits from drifting large (1e-4 is usual; 0 = off). Logged apart as z_loss; docs/stability.md."""
     skip_spikes: list[str] = field(default_factory=list)

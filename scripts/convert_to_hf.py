@@ -1,6 +1,7 @@
 """Export a titanlite checkpoint as a Hugging Face folder (LlamaForCausalLM, Qwen3ForCausalLM).
 
     python scripts/convert_to_hf.py outputs/debug/checkpoint/step-100 hf/debug [--dtype bfloat16]
+    python scripts/convert_to_hf.py ... --ema    # the average of the weights (training.ema_decay)
 
 Writes config.json, model.safetensors (or model-0000X-of-0000Y.safetensors + an index when
 larger than --max-shard-size) and the tokenizer (sentencepiece or tokenizer.json), loadable with
@@ -34,6 +35,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--max-shard-size", default="5GB", help="largest safetensors file (5GB; 500MB, 2GiB)"
     )
     parser.add_argument(
+        "--ema",
+        action="store_true",
+        help="export the checkpoint's average of the weights (training.ema_decay)",
+    )
+    parser.add_argument(
         "--tokenizer",
         type=Path,
         help="sentencepiece model or tokenizer.json (default: the checkpoint's)",
@@ -48,12 +54,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with run_lock.hold(args.out, "scripts/convert_to_hf.py"):
             max_shard_bytes = parse_size(args.max_shard_size)
-            loaded = load_checkpoint_model(args.checkpoint)
+            loaded = load_checkpoint_model(args.checkpoint, ema=args.ema)
             meta = loaded.meta
             tokenizer = checkpoint_tokenizer(
                 meta, args.tokenizer, loaded.args.vocab_size, args.checkpoint
             )
             source = {"source": str(args.checkpoint.resolve()), "step": meta.get("step")}
+            if args.ema:
+                source["weights"] = "ema"
             files = save_hf(
                 loaded.model.state_dict(),
                 loaded.spec,

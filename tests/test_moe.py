@@ -168,10 +168,33 @@ def test_the_aux_loss_gradient_arrives_through_the_layers_backward() -> None:
         assert torch.allclose(a.grad, b.grad, atol=1e-6), name
     assert injected.router.weight.grad.abs().sum() > 0
     injected(x)
-    assert injected.totals[:-2].sum() == 2 * 2 * 10 * 2  # two forwards, 20 tokens, top 2
+    assert injected.totals[:-3].sum() == 2 * 2 * 10 * 2  # two forwards, 20 tokens, top 2
     with torch.no_grad():
         injected(x)
-    assert injected.totals[:-2].sum() == 2 * 2 * 10 * 2
+    assert injected.totals[:-3].sum() == 2 * 2 * 10 * 2
+
+
+def test_the_router_z_loss_is_its_definition_and_its_gradient_arrives_the_same_way() -> None:
+    """router_z_loss_coef x sum over tokens of logsumexp(router logits)^2, recorded and handed
+    its gradient (``router_z_weight``) inside the layer's backward, next to the aux loss's."""
+    x = torch.randn(2, 10, 32, generator=torch.Generator().manual_seed(4))
+    probe = torch.randn(2, 10, 32, generator=torch.Generator().manual_seed(5))
+    changes = {"aux_loss_coef": 0.1, "router_z_loss_coef": 0.01}
+    injected, explicit = layer(**changes), layer(**changes)
+    injected.aux_weight, injected.router_z_weight = 0.25, 0.5
+    (injected(x) * probe).sum().backward()
+    out = explicit(x)
+    ((out * probe).sum() + 0.25 * explicit.last.aux + 0.5 * explicit.last.router_z).backward()
+    for (name, a), b in zip(injected.named_parameters(), explicit.parameters(), strict=True):
+        assert torch.allclose(a.grad, b.grad, atol=1e-6), name
+    logits = x.reshape(-1, 32).double() @ injected.router.weight.detach().double().T
+    direct = 0.01 * torch.log(torch.exp(logits).sum(-1)).square().sum()
+    assert torch.isclose(injected.last.router_z.double(), direct, rtol=1e-6)
+    assert injected.totals[-1] == injected.last.router_z.detach() and direct > 0
+    plain = layer(aux_loss_coef=0.1)
+    plain.aux_weight = 0.25
+    (plain(x) * probe).sum().backward()  # without it the router's gradient differs
+    assert not torch.allclose(plain.router.weight.grad, injected.router.weight.grad)
 
 
 def test_published_shapes_and_active_counts() -> None:

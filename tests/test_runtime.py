@@ -3,7 +3,8 @@
 A step that is not logged must make no device-to-host synchronization and no blocking CPU
 collective of titanlite's own beyond the global target-token count: the loss is reduced and
 read only at log steps, the token count stays on the device, and the preemption vote is an
-asynchronous all-reduce read one step later. tests/train_scenarios.step_work records, during
+asynchronous all-reduce read one step later. With the spike guard on (docs/stability.md) each
+step also reduces its loss and reads it and the gradient norm once. tests/train_scenarios.step_work records, during
 each whole step asked for (data, the step, the checks after it), every read of a tensor's value
 into Python and every torch.distributed call with its caller.
 """
@@ -26,11 +27,17 @@ LAYOUTS = {
     "dp_shard=2xtp=2": (4, ["--parallelism.tensor_parallel_degree", "2"]),
     "dp_replicate=2xdp_shard=2": (4, ["--parallelism.data_parallel_replicate_degree", "2"]),
 }
+# With the spike guard on (docs/stability.md) every step reduces its loss and reads it and the
+# gradient norm once, before the optimizer step; a logged step reuses that reduction.
+GUARDED = {"dp_shard=2, skip_spikes": (2, ["--training.skip_spikes", "loss,grad_norm",
+                                           "--training.max_skipped", "1"])}  # fmt: skip
 # The documented list (docs/performance.md, "What a step waits for"): titanlite's own calls
 # in a step that is not logged.
 TOKEN_COUNT = ("all_reduce", False, "titanlite.distributed.all_reduce")
 VOTE = ("all_reduce", True, "titanlite.stop_vote.start")
 VOTE_READ = ("__int__", "titanlite.stop_vote.settle")  # a CPU tensor: no device sync
+LOSS_SUM = TOKEN_COUNT  # the same call: the loss terms' sums, all-reduced over the loss group
+GUARD_READ = ("tolist", "titanlite.stability.accept")  # the step's loss and gradient norm
 
 
 QUIET_STEP, LOGGED_STEP = 3, 5  # log_freq 5
@@ -44,7 +51,7 @@ def work(tmp_path_factory):
 
     def recorded(layout: str) -> dict[int, dict[str, list]]:
         if layout not in runs:
-            world, extra = LAYOUTS[layout]
+            world, extra = {**LAYOUTS, **GUARDED}[layout]
             out = tmp_path_factory.mktemp("work") / "run"
             argv = [*ARGS, *extra, "--job.dump_folder", str(out)]
             steps = [QUIET_STEP, LOGGED_STEP]
@@ -69,6 +76,16 @@ def test_a_logged_step_also_reduces_and_reads_the_loss(work):
     own = [c for c in got["calls"] if c[2].startswith("titanlite.")]
     assert own == [TOKEN_COUNT, TOKEN_COUNT, VOTE]  # the second one: the loss sum, for the log
     assert len(got["reads"]) > 1 and VOTE_READ in got["reads"]
+
+
+def test_with_the_spike_guard_every_step_reduces_and_reads_its_loss_once(work):
+    runs = work(next(iter(GUARDED)))
+    quiet, logged = runs[QUIET_STEP], runs[LOGGED_STEP]
+    assert quiet["reads"] == [GUARD_READ, VOTE_READ]
+    for got in (quiet, logged):  # the logged step reads more values, but reduces nothing more
+        own = [c for c in got["calls"] if c[2].startswith("titanlite.")]
+        assert own == [TOKEN_COUNT, LOSS_SUM, VOTE]
+    assert logged["reads"].count(GUARD_READ) == 1
 
 
 @pytest.mark.parametrize("world", [1, 2])

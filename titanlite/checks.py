@@ -17,6 +17,7 @@ from titanlite.config import (
     gradient_accumulation_steps,
     resolve_degrees,
 )
+from titanlite.config.batch_ramp import BatchRamp
 from titanlite.config.layout import pipeline_plan
 from titanlite.data.tokenizer import Tokenizer, load_tokenizer
 from titanlite.data.tokens import is_token_folder
@@ -98,6 +99,7 @@ def check(cfg: JobConfig, world_size: int) -> Tokenizer | None:
     with problems.check():
         degrees = resolve_degrees(cfg, world_size)
         gradient_accumulation_steps(cfg, degrees)
+        BatchRamp.of(cfg, degrees)
     tokenizer_path = resolve_path(cfg.model.tokenizer_path)
     tokenizer = None
     vocab_size = cfg.model.vocab_size

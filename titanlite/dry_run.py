@@ -34,7 +34,7 @@ from titanlite.config import (
 )
 from titanlite.config.layout import Degrees, PipelinePlan, pipeline_plan
 from titanlite.dtypes import DTYPES
-from titanlite.loss import cross_entropy_sum
+from titanlite.loss import TrainingLoss
 from titanlite.metrics import local_bytes
 from titanlite.models import moe
 from titanlite.models.layers import count_params
@@ -71,7 +71,7 @@ def dry_run(cfg: JobConfig, world_size: int, tokenizer_vocab: int) -> str:
             activation_checkpoint=cfg.activation_checkpoint,
             compile=cfg.compile,
             device=None,
-            loss_sum=cross_entropy_sum,
+            loss_sum=TrainingLoss(cfg.training.z_loss_weight),
             converters=converters.build(cfg.model.converters, cfg),
         ).parts
         plan = pipeline_plan(cfg.parallelism, degrees, args.n_layers, cfg.training.local_batch_size)
@@ -89,6 +89,10 @@ def dry_run(cfg: JobConfig, world_size: int, tokenizer_vocab: int) -> str:
     finally:
         dist.destroy_process_group()
     state = {k: local_numel * b / GIB for k, b in BYTES_PER_PARAM.items()}
+    ema = ""
+    if cfg.training.ema_decay > 0:  # the average of the weights: one float32 copy, sharded alike
+        state["ema"] = local_numel * 4 / GIB
+        ema = f" + EMA {state['ema']:.2f}"
     gbs = global_batch_size(cfg, degrees)
     return "\n".join(
         [
@@ -97,7 +101,7 @@ def dry_run(cfg: JobConfig, world_size: int, tokenizer_vocab: int) -> str:
             f"  parameters      {total:,} ({total / 1e9:.2f} B); {local_numel:,} on rank {rank}",
             f"  model state     {sum(state.values()):.2f} GiB per rank (params "
             f"{state['params']:.2f} + grads {state['grads']:.2f} + AdamW "
-            f"{state['optimizer']:.2f}), before activations",
+            f"{state['optimizer']:.2f}{ema}), before activations",
             f"  FLOPs per token {spec.flops_per_token(args, cfg.training.seq_len):.4g} (seq_len "
             f"{cfg.training.seq_len})",
             f"  global batch    {gbs} sequences = {gbs * cfg.training.seq_len:,} tokens "

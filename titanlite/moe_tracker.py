@@ -35,19 +35,29 @@ class MoETracker:
         grad_weight: float = 1.0,
         stage_group: Any = None,
         n_layers: int = 0,
+        seq_len: int = 1,
     ):
-        """``grad_weight`` multiplies the auxiliary loss's gradient (the data-parallel
+        """``grad_weight`` multiplies the auxiliary losses' gradients (the data-parallel
         engines average gradients over that many ranks); under pipeline parallelism
-        ``stage_group`` (pp) gathers the other stages' layers (of ``n_layers``) at log steps."""
+        ``stage_group`` (pp) gathers the other stages' layers (of ``n_layers``) at log steps;
+        ``seq_len`` tokens a sequence (the router z-loss is a mean over the tokens)."""
         self.layers = layers
         self.group = group
-        self.global_batch = global_batch
+        self.grad_weight, self.seq_len = grad_weight, seq_len
+        self.router_z = any(m.router_z_loss_coef > 0 for m in layers)
         self.stage_group = stage_group
         self.n_layers = n_layers
         self.balancing = any(m.bias_update_rate > 0 for m in layers)
-        for m in layers:  # the auxiliary loss is a mean over the global batch's sequences
-            m.aux_weight = grad_weight / global_batch
+        self.set_global_batch(global_batch)
         self.discard()  # forwards before the first step (a pipeline's warm-up) do not count
+
+    def set_global_batch(self, sequences: int) -> None:
+        """The global batch of the coming step (batch-size warmup changes it): the losses are
+        means over its sequences (balancing) and tokens (router z-loss)."""
+        self.global_batch, self.global_tokens = sequences, sequences * self.seq_len
+        for m in self.layers:
+            m.aux_weight = self.grad_weight / self.global_batch
+            m.router_z_weight = self.grad_weight / self.global_tokens
 
     @classmethod
     def of(cls, parts: list[nn.Module], group: Any, **settings: Any) -> MoETracker | None:
@@ -64,7 +74,7 @@ class MoETracker:
         self._take()
 
     def _take(self) -> torch.Tensor | None:
-        """[layers, experts + 2] of the step's training forwards; the layers start afresh."""
+        """[layers, experts + 3] of the step's training forwards; the layers start afresh."""
         rows = [m.totals for m in self.layers]
         for m in self.layers:
             m.totals = None
@@ -72,15 +82,16 @@ class MoETracker:
             return None
         return torch.stack(rows)
 
-    def after_step(self, log: bool) -> dict[str, float] | None:
-        """Bias updates (every step, when on) and, at a log step, the metrics."""
+    def after_step(self, log: bool, update: bool = True) -> dict[str, float] | None:
+        """Bias updates (every step, when on, unless the step's ``update`` was skipped) and,
+        at a log step, the metrics."""
         step = self._take()
         if step is None or not (self.balancing or log):
             return None
         if self.group is not None and dist.get_world_size(self.group) > 1:
             dist.all_reduce(step, group=self.group)
-        counts = step[:, :-2]
-        if self.balancing:
+        counts = step[:, :-3]
+        if self.balancing and update:
             with torch.no_grad():
                 for layer, load in zip(self.layers, counts, strict=True):
                     if layer.bias_update_rate > 0:
@@ -92,14 +103,16 @@ class MoETracker:
             whole = step.new_zeros(self.n_layers, step.shape[1])
             whole[[m.layer_id for m in self.layers]] = step
             dist.all_reduce(whole, group=self.stage_group)
-            step, counts = whole, whole[:, :-2]
+            step, counts = whole, whole[:, :-3]
         balance = (counts.max(1).values / counts.mean(1).clamp(min=1e-9)).tolist()
         slots = counts.sum(1)
-        dropped = (step[:, -2].sum() / slots.sum().clamp(min=1)).item()
+        dropped = (step[:, -3].sum() / slots.sum().clamp(min=1)).item()
         metrics = {f"moe_load_max_mean_{i}": v for i, v in enumerate(balance)}
         metrics.update(
             moe_load_max_mean=max(balance),
             moe_dropped_fraction=dropped,
-            moe_aux_loss=(step[:, -1].sum() / self.global_batch).item(),
+            moe_aux_loss=(step[:, -2].sum() / self.global_batch).item(),
         )
+        if self.router_z:
+            metrics["moe_router_z_loss"] = (step[:, -1].sum() / self.global_tokens).item()
         return metrics

@@ -21,14 +21,15 @@ from titanlite.checkpoint.checkpointer import Checkpointer, ModelIdentity, will_
 from titanlite.checkpoint.states import TrainState, build_states
 from titanlite.checks import build_model_args, check
 from titanlite.config import JobConfig, to_toml
+from titanlite.config.batch_ramp import BatchRamp
 from titanlite.config.layout import global_batch_size, gradient_accumulation_steps, resolve_degrees
 from titanlite.data.batches import IGNORE_INDEX
 from titanlite.data.build import build_training_data
 from titanlite.data.documents import DocumentMask
 from titanlite.downstream.evaluator import Evaluator
 from titanlite.dtypes import DTYPES
-from titanlite.errors import TrainingDiverged
-from titanlite.loss import cross_entropy_sum
+from titanlite.ema import WeightAverage
+from titanlite.loss import StepLoss, TrainingLoss
 from titanlite.metrics import format_duration, model_state_bytes
 from titanlite.models.layers import count_params
 from titanlite.moe_tracker import MoETracker
@@ -37,6 +38,7 @@ from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.parallelize import parallelize
 from titanlite.parallel.pipeline import tied_copy
 from titanlite.profiling import profiling
+from titanlite.stability import SpikeGuard, finite_or_guarded
 from titanlite.stop_vote import StopVote
 from titanlite.validate import Validator
 
@@ -67,6 +69,7 @@ class Trainer:
         degrees = resolve_degrees(cfg, self.dist.world_size)
         self.accum_steps = gradient_accumulation_steps(cfg, degrees)
         self.global_batch = global_batch_size(cfg, degrees)
+        self.ramp = BatchRamp.of(cfg, degrees)  # training.batch_size_schedule
         self.dims = ParallelDims(degrees, self.device.type)
         self.cp = degrees.cp
         if t.deterministic:
@@ -93,10 +96,11 @@ class Trainer:
         if t.document_mask:
             bos, eos = self.tokenizer.bos_id, self.tokenizer.eos_id
             documents = DocumentMask(bos, eos, t.document_positions)
+        self.loss = TrainingLoss(t.z_loss_weight)  # cross-entropy (+ z-loss): loss.py
         self.model = parallelize(
             model, self.spec, self.model_args, self.dims,
             parallelism=cfg.parallelism, training=t, activation_checkpoint=cfg.activation_checkpoint,
-            compile=cfg.compile, device=self.device, loss_sum=cross_entropy_sum,
+            compile=cfg.compile, device=self.device, loss_sum=self.loss,
             converters=(model_converters := converters.build(cfg.model.converters, cfg)),
             init_weights=not will_load_weights(c, checkpoint_folder), documents=documents,
         )  # fmt: skip
@@ -107,18 +111,15 @@ class Trainer:
         self.moe = MoETracker.of(
             self.model.parts, self.dims.group("tokens"), global_batch=self.global_batch,
             grad_weight=self.dims.grad_average_size, stage_group=self.stage_group,
-            n_layers=self.model_args.n_layers,
+            n_layers=self.model_args.n_layers, seq_len=t.seq_len,
         )  # fmt: skip
         self.startup.mark("model")
 
         # 4. Optimization: one optimizer and schedule per model part.
         self.optimizers, self.lr_schedulers, groups = build_optimizers(
-            self.model.parts,
-            cfg.optimizer,
-            cfg.lr_scheduler,
-            total_steps=t.steps,
+            self.model.parts, cfg.optimizer, cfg.lr_scheduler, total_steps=t.steps,
             device=self.device,
-        )
+        )  # fmt: skip
         for converter in model_converters:  # e.g. float8's FSDP scales after each step
             converter.attach(self.model.parts, self.optimizers)
         self.state = TrainState()
@@ -142,16 +143,19 @@ class Trainer:
             run_info.write_run_files(self.dump_folder, to_toml(cfg), facts)
         self.metrics = run_info.metrics_logger(cfg, self.dump_folder, self.dist.is_main)
         self.step_logger = run_info.StepLogger(throughput, self.metrics, t.steps)
+        # Skips the update of a spiking or non-finite step; checkpointed inside train_state.
+        self.guard = SpikeGuard.of(t, self.metrics.log, checkpointed=self.state.nested)
         self.validator = Validator.of(cfg, self.data.validation_sources, self.tokenizer, self.dims)
         self.evaluator = Evaluator.of(cfg, self.tokenizer, self.dims)
         self.startup.mark("outputs")
 
         # 6. Checkpoints: everything resumable, registered once; resume exactly where the
         # latest complete checkpoint left off.
+        renames = [tied_copy(part, self.spec, self.model_args) for part in self.model.parts]
+        self.ema = WeightAverage.of(self.model.parts, t.ema_decay, renames)  # titanlite/ema.py
         states = build_states(
             self.model.parts, self.optimizers, self.lr_schedulers, self.data.loader,
-            train_state=self.state,
-            renames=[tied_copy(part, self.spec, self.model_args) for part in self.model.parts],
+            train_state=self.state, renames=renames, ema=self.ema,
         )  # fmt: skip
         self.checkpointer = Checkpointer(
             states, c, checkpoint_folder,
@@ -184,24 +188,25 @@ class Trainer:
                     step = self.state.step
                     self.heartbeat.beat(step)
                     t0 = time.perf_counter()
-                    batches = [next(self.train_iter) for _ in range(self.accum_steps)]
+                    batches = [next(self.train_iter) for _ in range(self.ramp.micro_batches(step))]
                     self.step_logger.waited_for_data(time.perf_counter() - t0)
                     log = step == first_step or step % cfg.metrics.log_freq == 0 or step == total
                     with self.step_logger.sync_check():
-                        loss_sum, n_tokens, grad_norm, moe_metrics = self.train_step(batches, log)
+                        losses, grad_norm, moe_metrics = self.train_step(batches, log)
                     if step == first_step:
                         self.step_logger.startup_done(self.startup)
                         heartbeat.set_timeouts(cfg.comm.timeout_seconds)
                         self.heartbeat.set_timeout(cfg.comm.timeout_seconds)
                     # This rank's tokens (under context parallelism its share of each sequence).
                     self.step_logger.trained(sum(y.numel() for _, y in batches) // self.cp)
-                    self.state.add_tokens(n_tokens)
+                    self.state.add_tokens(losses.n_tokens)
                     if log:  # only a logged step reduces its loss and reads values on the host
-                        loss = self.global_loss(loss_sum, n_tokens)
-                        self._check_finite(loss, grad_norm)
+                        terms = dict(zip(self.loss.names, losses.mean().tolist(), strict=True))
+                        loss, norm = terms.pop("loss"), float(grad_norm)
+                        terms.update(finite_or_guarded(self.guard, loss, norm, step))
                         self.step_logger.log(run_info.StepStats(
-                            step, float(loss), float(grad_norm), self.last_lr,
-                            self.state.tokens_seen, sum(self.model_state.values()), moe_metrics,
+                            step, loss, norm, self.last_lr, self.state.tokens_seen,
+                            sum(self.model_state.values()), {**terms, **(moe_metrics or {})},
                         ))  # fmt: skip
                     with self.step_logger.paused():  # validation and saves are not training
                         self._after_step(step, last=step == total)
@@ -239,54 +244,48 @@ class Trainer:
 
     def train_step(
         self, batches: list[tuple[torch.Tensor, torch.Tensor]], log: bool = True
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float] | None]:
-        """One optimizer step over the micro-batches; returns (this rank's loss sum, global
-        target tokens, gradient norm before clipping), all on the device and unread (the
-        mean loss is ``global_loss`` of the first two), and at ``log`` steps the MoE metrics."""
+    ) -> tuple[StepLoss, torch.Tensor, dict[str, float] | None]:
+        """One optimizer step over the micro-batches (no update if the spike guard skips it):
+        loss terms (reduced when read), grad norm (unread) and, at ``log`` steps, MoE metrics."""
         # Every rank needs the global count of target tokens before backward: the loss is a
         # sum divided by it, so accumulation, parallelism and padding never change it. It
         # stays a device tensor (no host synchronization; NCCL reduces it asynchronously).
         local_tokens = sum((self.model.local_labels(y) != IGNORE_INDEX).sum() for _, y in batches)
         loss_group = self.dims.group("loss")
+        if self.moe is not None:  # its losses are means over this step's global batch
+            self.moe.set_global_batch(len(batches) * self.ramp.micro)
         # non_blocking: a blocking copy from the host waits for the stream (seen on an H100).
         tokens = torch.as_tensor(local_tokens).to(self.device, non_blocking=True)
         n_tokens = distributed.all_reduce(tokens, dist.ReduceOp.SUM, loss_group)
         # Data-parallel engines average gradients over the batch (x cp) ranks; undo that.
         scale = self.dims.grad_average_size / n_tokens
-        loss_sum = torch.zeros((), device=self.device)
+        loss_sums = torch.zeros(len(self.loss.names), device=self.device)
         for i, (inputs, labels) in enumerate(batches):
             inputs = inputs.to(self.device, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
             with self.model.grad_sync(i == len(batches) - 1):
-                loss_sum += self.model.forward_backward(inputs, labels, scale)
+                loss_sums += self.model.forward_backward(inputs, labels, scale)
         self.model.finish_gradients()
         grad_norm = clip_grad_norm_(
             self.params, self.cfg.training.max_norm, self.stage_group, self.model.norm_skip
         )
+        losses = StepLoss(loss_sums, n_tokens, loss_group)
+        step = self.state.step
+        update = self.guard is None or self.guard.accept(losses.mean()[0], grad_norm, step)
         self.last_lr = self.lr_schedulers[0].get_last_lr()[0]  # the rate this step uses
         for optimizer, scheduler in zip(self.optimizers, self.lr_schedulers, strict=True):
-            optimizer.step()
-            scheduler.step()
-        # Routing biases move (when on) after the step; metrics only at log steps.
-        moe_metrics = self.moe.after_step(log=log) if self.moe is not None else None
-        if self.model_state is None:  # sizes are fixed after the first step creates them
+            if update:
+                optimizer.step()
+            scheduler.step()  # a skipped step still counts
+        if update and self.ema is not None:
+            self.ema.update()
+        # Routing biases move (when on) after an update; metrics only at log steps.
+        moe_metrics = self.moe.after_step(log=log, update=update) if self.moe else None
+        if self.model_state is None or not self.model_state["optimizer"]:  # after an update
             self.model_state = model_state_bytes(self.model.parts, self.optimizers)
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
-        return loss_sum, n_tokens, grad_norm, moe_metrics
-
-    def global_loss(self, loss_sum: torch.Tensor, n_tokens: torch.Tensor) -> torch.Tensor:
-        """The step's mean loss over every target token of the global batch (a collective
-        over the loss group: every rank of it calls this at the same steps)."""
-        group = self.dims.group("loss")
-        return distributed.all_reduce(loss_sum, dist.ReduceOp.SUM, group) / n_tokens
-
-    def _check_finite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        if not torch.isfinite(loss).item() or not torch.isfinite(grad_norm).item():
-            raise TrainingDiverged(
-                f"loss became non-finite at step {self.state.step} (loss {float(loss)}, grad "
-                f"norm {float(grad_norm)}); try a lower optimizer.lr or a longer warmup"
-            )
+        return losses, grad_norm, moe_metrics
 
     def close(self, abandon: bool = False) -> None:
         """Finish a save in flight and close the loggers; ``abandon`` (a rank was lost):

@@ -7,6 +7,8 @@ STATE_KEYS: tuple[str, ...] = (
     "dataloader",
     "train_state",
     "rng",
+    "ema",
 )
-"""In this order ``titanlite.checkpoint.states.build_states`` builds the registry; the same
-names are what ``checkpoint.exclude_from_loading`` may list."""
+"""In this order ``titanlite.checkpoint.states.build_states`` builds the registry (the last,
+the average of the weights, only with training.ema_decay); the same names are what
+``checkpoint.exclude_from_loading`` may list."""

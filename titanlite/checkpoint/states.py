@@ -137,6 +137,10 @@ class TrainState(Stateful):
     # Steps' global token counts still on the device: reading one is a device-to-host
     # synchronization, so they are added up there and read only when tokens_seen is.
     _pending: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
+    nested: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    """More of the loop's state, saved inside train_state under its own key: objects whose
+    ``state_dict()`` holds plain values only (the spike guard's window). A checkpoint without
+    the key loads ``{}`` into it (a run that turned the component on at its resume)."""
 
     @property
     def tokens_seen(self) -> int:
@@ -150,12 +154,15 @@ class TrainState(Stateful):
         self._pending = count if self._pending is None else self._pending + count
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "tokens_seen": self.tokens_seen}
+        nested = {name: part.state_dict() for name, part in self.nested.items()}
+        return {"step": self.step, "tokens_seen": self.tokens_seen, **nested}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         self._tokens_seen = int(state["tokens_seen"])
         self._pending = None
+        for name, part in self.nested.items():
+            part.load_state_dict(state.get(name, {}))
 
 
 class RNGState(Stateful):
@@ -196,9 +203,10 @@ def build_states(
     *,
     train_state: TrainState,
     renames: Sequence[dict[str, str]] | None = None,
+    ema: Stateful | None = None,
 ) -> dict[str, Stateful]:
     """The registry the checkpointer saves and restores, under the fixed STATE_KEYS
-    (``renames``: see OptimizerState)."""
+    (``renames``: see OptimizerState; ``ema``, the average of the weights, only when on)."""
     entries = (
         ModelState(parts),
         OptimizerState(parts, optimizers, renames),
@@ -207,4 +215,7 @@ def build_states(
         train_state,
         RNGState(),
     )
-    return dict(zip(STATE_KEYS, entries, strict=True))
+    states = dict(zip(STATE_KEYS, entries, strict=False))
+    if ema is not None:
+        states["ema"] = ema
+    return states

@@ -8,9 +8,13 @@ import difflib
 import importlib.util
 
 from titanlite.checkpoint.keys import STATE_KEYS
+from titanlite.config.batch_ramp import parse_schedule
 from titanlite.config.job_config import ConfigError, JobConfig
 from titanlite.config.schema import dataset_name
 from titanlite.errors import Problems
+
+SPIKE_VALUES = ("loss", "grad_norm")
+"""What training.skip_spikes may watch: the step's global loss and gradient norm."""
 
 
 def validate(cfg: JobConfig) -> None:
@@ -34,6 +38,27 @@ def validate(cfg: JobConfig) -> None:
     )
     require(0 <= t.seed < 2**32, "training.seed", "must be in [0, 2**32)")
     require(t.max_norm >= 0, "training.max_norm", "must be >= 0 (0 disables clipping)")
+    try:
+        parse_schedule(t.batch_size_schedule)
+    except ValueError as e:
+        problems.add(f"training.batch_size_schedule: {e}")
+    require(t.z_loss_weight >= 0, "training.z_loss_weight", "must be >= 0 (0 = off)")
+    require(
+        set(t.skip_spikes) <= set(SPIKE_VALUES),
+        "training.skip_spikes",
+        f"must name only {', '.join(SPIKE_VALUES)}",
+    )
+    require(0 <= t.ema_decay < 1, "training.ema_decay", "must be in [0, 1) (0 = off)")
+    require(t.spike_window >= 2, "training.spike_window", "must be at least 2")
+    require(t.spike_sigmas > 0, "training.spike_sigmas", "must be > 0")
+    require(
+        t.max_skipped >= 0, "training.max_skipped", "must be >= 0 (0 = stop at a non-finite loss)"
+    )
+    require(
+        not t.skip_spikes or t.max_skipped >= 1,
+        "training.max_skipped",
+        "must be at least 1 with training.skip_spikes (the skipped steps allowed in a row)",
+    )
     for i, entry in enumerate(t.datasets):
         if not entry.weight > 0:
             problems.add(f"training.datasets[{i}].weight: must be > 0, got {entry.weight!r}")

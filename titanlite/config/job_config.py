@@ -183,6 +183,20 @@ class Training:
     """Compute dtype of parameters in forward/backward (FSDP casts its gathered shards; other layouts use autocast). Master weights stay float32."""
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
     """Dtype in which FSDP reduces gradients."""
+    batch_size_schedule: list[str] = field(default_factory=list)
+    """Batch-size warmup: "TOKENS:SEQUENCES" entries, each making the global batch SEQUENCES sequences until TOKENS tokens (sequences x seq_len) are trained; after the last, global_batch_size. Each a multiple of local_batch_size x data-parallel degree (it grows by accumulation). Empty = off; docs/stability.md."""
+    z_loss_weight: float = 0.0
+    """Weight of the z-loss: this times the mean over target tokens of logsumexp(logits)^2 joins the training objective, keeping the output logits from drifting large (1e-4 is usual; 0 = off). Logged apart as z_loss; docs/stability.md."""
+    skip_spikes: list[str] = field(default_factory=list)
+    """Skip the optimizer update of a step whose global value exceeds the mean + spike_sigmas x the standard deviation of the last spike_window accepted steps: any of loss, grad_norm (empty = off). The step still counts (learning-rate schedule, data). Needs max_skipped >= 1; docs/stability.md."""
+    spike_window: int = 128
+    """With skip_spikes: accepted steps the mean and standard deviation are taken over; no step is judged a spike until the window is full."""
+    spike_sigmas: float = 6.0
+    """With skip_spikes: how many standard deviations above the window's mean make a spike."""
+    ema_decay: float = 0.0
+    """Keep an exponential moving average of the weights: after each update, average = ema_decay x average + (1 - ema_decay) x weights (0 = off; 0.999 looks back about 1,000 steps). Sharded as the weights, saved in checkpoints, exported with convert_to_hf.py --ema; docs/stability.md."""
+    max_skipped: int = 0
+    """Skipped steps allowed in a row. Above 0, every step reads its global loss and gradient norm (one host synchronization per step) and skips the update of a non-finite one (and, with skip_spikes, of a spike) instead of stopping; one more skip in a row stops the run with exit 3. 0 = a non-finite loss stops the run at the next logged step."""
 
 
 @dataclass
@@ -279,7 +293,7 @@ class Checkpoint:
     export_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the weights in a model-only final checkpoint."""
     exclude_from_loading: list[str] = field(default_factory=list)
-    """State not to restore on resume: any of model, optimizer, lr_scheduler, dataloader, train_state, rng."""
+    """State not to restore on resume: any of model, optimizer, lr_scheduler, dataloader, train_state, rng, ema."""
     fallback_to_previous: bool = False
     """When the latest checkpoint is damaged (a shard fails its checksum, DCP cannot read it), resume from the newest earlier complete one with a warning instead of stopping (the steps since then are trained again)."""
 

@@ -79,10 +79,11 @@ def checkpoint_tokenizer(
     return tokenizer
 
 
-def load_checkpoint_model(path: str | os.PathLike[str]) -> CheckpointModel:
+def load_checkpoint_model(path: str | os.PathLike[str], ema: bool = False) -> CheckpointModel:
     """The model (float32, CPU, eval mode) of a titanlite checkpoint folder, with its spec,
-    args and titanlite.json. Optimizer and other training state in the folder are not read.
-    UserError for incomplete or unusable folders."""
+    args and titanlite.json; with ``ema`` its parameters are the checkpoint's average of the
+    weights (training.ema_decay) instead of the weights. Optimizer and other training state
+    in the folder are not read. UserError for incomplete or unusable folders."""
     path = Path(path)
     meta = read_sidecar(path)
     spec, args = spec_and_args(meta, str(path))
@@ -96,29 +97,37 @@ def load_checkpoint_model(path: str | os.PathLike[str]) -> CheckpointModel:
     except Exception as e:  # unreadable, or refused: not one of DCP's own metadata classes
         raise UserError(f"checkpoint folder {str(path)!r}: unreadable .metadata ({e})") from None
     tied_name, owner_name = spec.tied_weights
-    state = {}
+    if ema and not any(key.startswith("ema.") for key in saved):
+        raise UserError(
+            f"checkpoint folder {str(path)!r} holds no average of the weights (its run had no "
+            "training.ema_decay)"
+        )
+    params = {name for name, _ in model.named_parameters()}
+    state: dict[str, dict[str, torch.Tensor]] = {"model": {}, "ema": {}}
     for name, tensor in model.state_dict().items():
-        info = saved.get(f"model.{name}")
+        key = "ema" if ema and name in params else "model"  # buffers are the model's
+        info = saved.get(f"{key}.{name}")
         if info is None:
             if name == tied_name and args.tie_embeddings:
                 continue  # tied: the embedding is the output projection
-            raise UserError(f"checkpoint folder {str(path)!r} has no tensor model.{name}")
+            raise UserError(f"checkpoint folder {str(path)!r} has no tensor {key}.{name}")
         size = tuple(getattr(info, "size", ()))
         if size != tuple(tensor.shape):
             raise UserError(
-                f"checkpoint folder {str(path)!r}: model.{name} has shape {list(size)}, "
+                f"checkpoint folder {str(path)!r}: {key}.{name} has shape {list(size)}, "
                 f"model_args in {SIDECAR} give {list(tensor.shape)}"
             )
-        state[name] = tensor
+        state[key][name] = tensor
     with quiet_single_process():
         try:
-            dcp.load({"model": state}, storage_reader=SafeFileSystemReader(str(path)))
+            wanted = {key: tensors for key, tensors in state.items() if tensors}
+            dcp.load(wanted, storage_reader=SafeFileSystemReader(str(path)))
         except Exception as e:  # DCP wraps reader failures; the first line says what broke
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise UserError(f"checkpoint folder {str(path)!r} is unreadable: {first}") from None
     if args.tie_embeddings:
         output, embedding = model.get_parameter(tied_name), model.get_parameter(owner_name)
-        if tied_name in state and not torch.equal(output, embedding):
+        if tied_name in state["ema" if ema else "model"] and not torch.equal(output, embedding):
             # Trained untied despite the flag: keep both so the function is unchanged.
             logger.warning("%s: tied model with distinct output weights; loading untied", path)
             args = dataclasses.replace(args, tie_embeddings=False)

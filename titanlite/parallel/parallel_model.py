@@ -1,15 +1,16 @@
 """ParallelModel: what the trainer and the validator see of a parallelized model.
 
 Whatever the layout, one call runs a micro-batch's forward and backward
-(``forward_backward``) and one its forward only (``evaluate``); both return the summed loss
-over the micro-batch's target tokens, the same on every rank that holds part of it. Pipeline
-stages, context-parallel chunks, loss parallelism and autocast stay inside.
+(``forward_backward``: the summed loss terms) and one its forward only (``evaluate``: the
+summed cross-entropy), over the micro-batch's target tokens, the same on every rank that
+holds part of it. Pipeline stages, context-parallel chunks, loss parallelism and autocast
+stay inside.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -26,8 +27,17 @@ from titanlite.parallel.ddp import BucketedDDP
 from titanlite.parallel.ddp_support import all_reduce_after_backward, local_tensor
 from titanlite.parallel.pipeline import Pipeline
 
-LossSum = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-"""(logits, labels) -> the loss summed over the target tokens."""
+
+class LossSum(Protocol):
+    """The training loss (``titanlite.loss.TrainingLoss``): (logits, labels) -> (the
+    objective summed over the target tokens, to differentiate; its reported terms, detached,
+    a vector named by ``names`` whose first entry is the cross-entropy)."""
+
+    names: tuple[str, ...]
+
+    def __call__(
+        self, logits: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class DocumentStructure(Protocol):
@@ -80,23 +90,24 @@ class ParallelModel:
         self, inputs: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor | float
     ) -> torch.Tensor:
         """Forward and backward of one micro-batch of whole sequences [batch, seq] (on the
-        device): the gradients are those of the summed loss times ``scale``. Returns the
-        summed loss over this rank's target tokens (detached; under pipeline parallelism
-        the micro-batch's, the same on every stage)."""
+        device): the gradients are those of the summed objective times ``scale``. Returns
+        the summed loss terms over this rank's target tokens (detached, a vector: see
+        ``LossSum``; under pipeline parallelism the micro-batch's, the same on every stage)."""
         with self._train_context():
             if self.pipeline is not None:  # forward and backward in every stage
                 return self.pipeline.forward_backward(inputs, labels, scale)
-            ce = self.loss_sum(self(inputs), self.local_labels(labels))
-            (ce * scale).backward()  # MoE layers add their balancing loss's gradient
-        return _full(ce.detach())
+            objective, terms = self.loss_sum(self(inputs), self.local_labels(labels))
+            (objective * scale).backward()  # MoE layers add their balancing loss's gradient
+        return terms
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The summed loss of one micro-batch, forward only (as ``forward_backward``)."""
+        """The summed cross-entropy of one micro-batch, forward only (as
+        ``forward_backward``)."""
         with self._train_context():
             if self.pipeline is not None:
                 return self.pipeline.evaluate(inputs, labels)
-            return _full(self.loss_sum(self(inputs), self.local_labels(labels)))
+            return self.loss_sum(self(inputs), self.local_labels(labels))[1][0]
 
     def row_scores(
         self, inputs: torch.Tensor, labels: torch.Tensor
@@ -189,5 +200,5 @@ class ParallelModel:
 
 
 def _full(value: torch.Tensor) -> torch.Tensor:
-    """A plain tensor from a possibly distributed one (a loss under loss parallel)."""
+    """A plain tensor from a possibly distributed one (logits under loss parallel)."""
     return value.full_tensor() if isinstance(value, DTensor) else value

@@ -73,8 +73,8 @@ def parallelize(
 
     With ``device`` None (a dry run) the model stays on the meta device and DDP, which
     shards nothing, is left out. ``init_weights`` False skips initialization when a
-    checkpoint will overwrite every weight. ``loss_sum(logits, labels)`` is the summed loss
-    (a pipeline's last stage computes it). ``documents`` makes attention block-causal within
+    checkpoint will overwrite every weight. ``loss_sum(logits, labels)`` is the summed objective
+    and its reported terms (a pipeline's last stage computes them). ``documents`` makes attention block-causal within
     the documents of each window (training.document_mask).
     """
     d, t, p = dims.degrees, training, parallelism
@@ -151,6 +151,7 @@ def parallelize(
         tie = getattr(args, "tie_embeddings", False)
         result.pipeline = Pipeline(
             plan, stage_ids, result.modules, dims.group("pp"), device=device, loss_sum=loss_sum,
+            n_terms=len(loss_sum.names),
             tied=spec.tied_weights if tie else None,
             tie_group=tied_stage_group(plan, dims) if tie else None,
             # titanlite's DDP engine reduces in backward hooks, one backward per forward: the

@@ -32,7 +32,6 @@ from torch.distributed.pipelining.schedules import (
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
 )
-from torch.distributed.tensor import DTensor
 
 from titanlite.config.layout import PipelinePlan
 from titanlite.models.spec import ModelSpec
@@ -101,7 +100,8 @@ class Pipeline:
         group: dist.ProcessGroup,
         *,
         device: torch.device,
-        loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        loss_sum: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        n_terms: int = 1,
         tied: tuple[str, str] | None = None,
         tie_group: dist.ProcessGroup | None = None,
         replica_group: dist.ProcessGroup | None = None,
@@ -128,9 +128,12 @@ class Pipeline:
         self.local = dict(zip(stage_ids, modules, strict=True))
         self.has_first = 0 in stage_ids
         self.has_last = plan.n_stages - 1 in stage_ids
+        # loss_sum(logits, labels) -> (objective, its n_terms reported terms): the last
+        # stage's loss, see titanlite.parallel.parallel_model.LossSum.
         self._loss_sum = loss_sum
+        self._n_terms = n_terms
         self._scale = 1.0
-        self._ce_of: dict[int, torch.Tensor] = {}
+        self._terms_of: dict[int, torch.Tensor] = {}
         stages = [
             PipelineStage(module, stage, plan.n_stages, device, group=group)
             for stage, module in zip(stage_ids, modules, strict=True)
@@ -147,33 +150,32 @@ class Pipeline:
         )
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        ce = self._loss_sum(logits, labels)
-        scaled = ce * self._scale
+        objective, terms = self._loss_sum(logits, labels)
+        scaled = objective * self._scale
         # The schedule also calls this on placeholder tensors while it infers the backward's
         # shapes (first step): only the losses it reports back are the micro-batches' own.
-        value = ce.detach()
-        self._ce_of[id(scaled)] = value.full_tensor() if isinstance(value, DTensor) else value
+        self._terms_of[id(scaled)] = terms
         return scaled
 
     def forward_backward(
         self, inputs: torch.Tensor, labels: torch.Tensor, scale: float
     ) -> torch.Tensor:
         """Forward and backward of one local batch through every stage (gradients of the
-        loss sum times ``scale``); the sum of the cross-entropy over its target tokens, the
-        same on every pp rank."""
+        objective's sum times ``scale``); the sums of the loss terms over its target tokens
+        (the cross-entropy first), the same on every pp rank."""
         self._scale = scale
         args = (inputs,) if self.has_first else ()
         target = labels if self.has_last else None
         losses: list[torch.Tensor] = []
         try:
             self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
-            ce = torch.zeros((), device=labels.device)
+            terms = torch.zeros(self._n_terms, device=labels.device)
             for loss in losses:
-                ce = ce + self._ce_of[id(loss)]
+                terms = terms + self._terms_of[id(loss)]
         finally:
-            self._ce_of.clear()
-        dist.all_reduce(ce, dist.ReduceOp.SUM, group=self.group)  # from the last stage
-        return ce
+            self._terms_of.clear()
+        dist.all_reduce(terms, dist.ReduceOp.SUM, group=self.group)  # from the last stage
+        return terms
 
     def warm_up(self, batch: int, seq_len: int, device: torch.device) -> None:
         """One forward and backward of a batch of zeros, gradients dropped: the schedule's
@@ -229,8 +231,7 @@ class Pipeline:
                     x = self._receive(plan.stage_rank(stage - 1), labels.device)
                 hidden = self.local[stage](x)
                 if stage == n - 1:
-                    value = self._loss_sum(hidden, labels_mb)
-                    ce = ce + (value.full_tensor() if isinstance(value, DTensor) else value)
+                    ce = ce + self._loss_sum(hidden, labels_mb)[1][0]
                 elif plan.stage_rank(stage + 1) != self.pp_rank:
                     self._send(hidden, plan.stage_rank(stage + 1))
         dist.all_reduce(ce, dist.ReduceOp.SUM, group=self.group)  # from the last stage

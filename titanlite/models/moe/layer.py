@@ -14,16 +14,21 @@ Balancing, both optional:
   for choosing experts only (not for weighting them), moved after every step by
   ``rate * sign(mean load - load)`` from the global token counts.
 
+A router z-loss (ST-MoE), optional too: ``router_z_loss_coef`` times the mean over the
+global batch's tokens of the square of ``logsumexp`` of each token's router logits, keeping
+those logits small (large ones make the softmax over experts brittle in low precision).
+
 Dropless by default; a capacity factor caps each expert at ``ceil(factor * slots / experts)``
 token slots per micro-batch (the later ones in token order are dropped and counted).
 
-The auxiliary loss reaches the router through the layer's own backward: the output passes
-through an identity whose backward also gives the loss term its gradient (``aux_weight``),
-so no second loss root is needed and a pipeline schedule's backward carries it too. Each
-training forward adds its tokens per expert, dropped slots and auxiliary loss to the layer's
-running ``totals`` (not when it is recomputed in backward under activation checkpointing);
-the trainer's ``titanlite.moe_tracker.MoETracker`` takes them after the step for the bias
-updates and the metrics. ``last`` keeps the latest forward's record.
+The auxiliary loss and the router z-loss reach the router through the layer's own backward:
+the output passes through an identity whose backward also gives the loss terms their
+gradients (``aux_weight``, ``router_z_weight``), so no second loss root is needed and a
+pipeline schedule's backward carries them too. Each training forward adds its tokens per
+expert, dropped slots, auxiliary loss and router z-loss to the layer's running ``totals``
+(not when it is recomputed in backward under activation checkpointing); the trainer's
+``titanlite.moe_tracker.MoETracker`` takes them after the step for the bias updates and the
+metrics. ``last`` keeps the latest forward's record.
 
 No torch.distributed here: expert parallelism's dispatch and tensor parallelism's sequence
 shards reach the layer through the hooks of ``titanlite.models.interfaces``.
@@ -45,9 +50,10 @@ from titanlite.models.moe.experts import GroupedExperts
 
 @dataclass
 class Record:
-    """What one forward of a layer saw (tensors on the device, detached except ``aux``)."""
+    """What one forward of a layer saw (tensors on the device, detached except the losses)."""
 
     aux: torch.Tensor  # summed over the micro-batch's sequences, with grad
+    router_z: torch.Tensor  # coef x logsumexp(router logits)^2 summed over its tokens, with grad
     counts: torch.Tensor  # [experts] token slots routed to each (before any drop)
     dropped: torch.Tensor  # slots over capacity
 
@@ -61,6 +67,7 @@ class MoE(nn.Module):
         self.score_func, self.norm_topk = args.score_func, args.norm_topk
         self.aux_loss_coef, self.capacity_factor = args.aux_loss_coef, args.capacity_factor
         self.bias_update_rate = args.bias_update_rate
+        self.router_z_loss_coef = getattr(args, "router_z_loss_coef", 0.0)
         self.router = nn.Linear(dim, args.num_experts, bias=False)
         self.experts = GroupedExperts(args.num_experts, dim, args.moe_hidden_dim)
         self.shared = (
@@ -73,11 +80,13 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32))
         self.last: Record | None = None
         self.totals: torch.Tensor | None = None
-        """[experts + 2]: tokens per expert, dropped slots and auxiliary loss summed over the
-        training forwards since ``MoETracker`` last took them."""
+        """[experts + 3]: tokens per expert, dropped slots, auxiliary loss and router z-loss
+        summed over the training forwards since ``MoETracker`` last took them."""
         self.aux_weight = 0.0
         """The gradient of the training loss with respect to this layer's auxiliary loss sum
         (set by ``MoETracker``: the loss is a mean over the global batch's sequences)."""
+        self.router_z_weight = 0.0
+        """The same for the router z-loss sum (a mean over the global batch's tokens)."""
         self.layer_id = 0
         """The block this layer belongs to (set by the model), to name its metrics."""
         self.sequence_shards: SequenceShards | None = None
@@ -122,12 +131,22 @@ class MoE(nn.Module):
             out = out + self.shared(flat)
 
         aux = self._aux(scores, chosen, bsz, seq)
-        self.last = Record(aux, counts.detach(), dropped)
+        router_z = (
+            self.router_z_loss_coef * torch.logsumexp(logits, -1).square().sum()
+            if self.router_z_loss_coef > 0
+            else aux.new_zeros(())
+        )
+        self.last = Record(aux, router_z, counts.detach(), dropped)
         if self.training and torch.is_grad_enabled():
-            if self.aux_loss_coef > 0 and self.aux_weight:
-                out = _AuxGradient.apply(out, aux, self.aux_weight)
+            penalty = aux * self.aux_weight if self.aux_loss_coef > 0 else None
+            if self.router_z_loss_coef > 0:
+                z = router_z * self.router_z_weight
+                penalty = z if penalty is None else penalty + z
+            if penalty is not None and (self.aux_weight or self.router_z_weight):
+                out = _AuxGradient.apply(out, penalty, 1.0)
             if torch._C._current_graph_task_id() == -1:  # not a recomputation in backward
-                row = torch.cat([counts.float(), dropped.float().view(1), aux.detach().view(1)])
+                losses = torch.stack([aux.detach(), router_z.detach()]).float()
+                row = torch.cat([counts.float(), dropped.float().view(1), losses])
                 self.totals = row if self.totals is None else self.totals + row
         return out.view(bsz, seq, dim).to(x.dtype)
 

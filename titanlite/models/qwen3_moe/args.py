@@ -56,6 +56,8 @@ class Qwen3MoeArgs:
     """Auxiliary-loss-free balancing: after every step each expert's routing bias moves by this much towards an even load (0 = off)."""
     capacity_factor: float = 0.0
     """Tokens an expert takes at most, as a multiple of an even share (0 = dropless); tokens over it are dropped and counted."""
+    router_z_loss_coef: float = 0.0
+    """Weight of the router z-loss (ST-MoE): the mean over tokens of logsumexp(router logits)^2, summed over the layers (0 = none; 1e-3 is usual). Logged as moe_router_z_loss."""
 
     qk_norm: ClassVar[bool] = True
     rope_style: ClassVar[str] = "halves"
@@ -81,7 +83,8 @@ class Qwen3MoeArgs:
         if self.score_func not in SCORE_FUNCS:
             raise ValueError(f"score_func must be one of {', '.join(SCORE_FUNCS)}, got "
                              f"{self.score_func!r}")  # fmt: skip
-        for name in ("shared_experts", "aux_loss_coef", "bias_update_rate", "capacity_factor"):
+        for name in ("shared_experts", "aux_loss_coef", "bias_update_rate", "capacity_factor",
+                     "router_z_loss_coef"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         check_decoder_shape(self)
@@ -108,4 +111,5 @@ OVERRIDES = (
     "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "rope_theta", "norm_eps",
     "tie_embeddings", "num_experts", "top_k", "moe_hidden_dim", "score_func", "norm_topk",
     "shared_experts", "aux_loss_coef", "bias_update_rate", "capacity_factor",
+    "router_z_loss_coef",
 )  # fmt: skip

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 import train_scenarios
+from conftest import REPO
 from pool import get_pool
 
 from titanlite.checks import check
@@ -18,6 +20,9 @@ from titanlite.downstream import builtin
 from titanlite.downstream.evaluator import accuracies
 from titanlite.downstream.tasks import Question, Task, read_task
 from titanlite.errors import UserError
+
+sys.path.insert(0, str(REPO / "scripts"))
+import make_eval_task  # noqa: E402
 
 QUESTIONS = [
     {"context": "The United States of America", "choices": [" is a nation.", " blue fish"], "label": 0},
@@ -169,3 +174,53 @@ def test_the_same_scores_under_every_layout(layout, one_process, tmp_path) -> No
     for key in ("eval_tiny_task_acc", "eval_tiny_task_acc_norm", "eval_tiny_completion_exact_match"):  # fmt: skip
         assert got[key] == expected[key], key
     assert torch.isfinite(torch.tensor(got["eval_tiny_task_ll"]))
+
+
+# --- scripts/make_eval_task.py ------------------------------------------------------------------
+
+RAW = {
+    "hellaswag": {"ctx_a": "A man is sitting on a roof.", "ctx_b": "he", "ctx": "",
+                  "endings": ["starts pulling up roofing.", "is holding a rubik's cube.",
+                              "is using wrap.", "is ripping level tiles off."], "label": "3"},
+    "arc": {"question": "Which gas do plants take in?",
+            "choices": {"text": ["oxygen", "carbon dioxide"], "label": ["A", "B"]},
+            "answerKey": "B"},
+    "piqa": {"goal": "Dry wet shoes", "sol1": "Fill them with newspaper.",
+             "sol2": "Fill them with water.", "label": 0},
+    "mmlu": {"question": "2 + 2 = ?", "choices": ["3", "4", "5", "6"], "answer": 1,
+             "subject": "math"},
+}  # fmt: skip
+EXPECTED = {
+    "hellaswag": {"context": "A man is sitting on a roof. He",
+                  "choices": [" starts pulling up roofing.", " is holding a rubik's cube.",
+                              " is using wrap.", " is ripping level tiles off."], "label": 3},
+    "arc": {"context": "Question: Which gas do plants take in?\nAnswer:",
+            "choices": [" oxygen", " carbon dioxide"], "label": 1},
+    "piqa": {"context": "Question: Dry wet shoes\nAnswer:",
+             "choices": [" Fill them with newspaper.", " Fill them with water."], "label": 0},
+    "mmlu": {"context": "2 + 2 = ?\nA. 3\nB. 4\nC. 5\nD. 6\nAnswer:",
+             "choices": [" A", " B", " C", " D"], "label": 1},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", list(RAW))
+def test_make_eval_task_converts_a_local_copy(fmt, tmp_path) -> None:
+    source = tmp_path / f"{fmt}.jsonl"
+    source.write_text(json.dumps(RAW[fmt]) + "\n" + json.dumps(RAW[fmt]) + "\n")
+    out = tmp_path / "task.jsonl"
+    assert make_eval_task.main([fmt, str(source), str(out), "--limit", "1"]) == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert lines == [EXPECTED[fmt]]
+    task = read_task(out)  # and titanlite reads what it wrote
+    assert task.questions[0].label == EXPECTED[fmt]["label"]
+
+
+def test_make_eval_task_refuses_a_row_missing_a_field(tmp_path, capsys) -> None:
+    source = tmp_path / "rows.jsonl"
+    source.write_text(json.dumps({"goal": "x", "sol1": "a", "label": 0}) + "\n")
+    out = tmp_path / "task.jsonl"
+    out.write_text("kept\n")
+    assert make_eval_task.main(["piqa", str(source), str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["make_eval_task: error: row 1: no field 'sol2', which the piqa format needs"]
+    assert out.read_text() == "kept\n"  # nothing overwritten

@@ -14,8 +14,6 @@ import train_scenarios
 from conftest import REPO
 from pool import get_pool
 
-from titanlite.checks import check
-from titanlite.config import ConfigError, load_config
 from titanlite.downstream import builtin
 from titanlite.downstream.evaluator import accuracies
 from titanlite.downstream.tasks import Question, Task, read_task
@@ -97,12 +95,6 @@ def test_the_builtin_tasks_are_fixed_and_drawn_from_held_out_speeches(name) -> N
         builtin.build(name, 0.0, 10)
 
 
-def test_eval_is_refused_under_pipeline_parallelism() -> None:
-    cfg = load_config(["--eval.enable", "true", "--parallelism.pipeline_parallel_degree", "2"])
-    with pytest.raises(ConfigError, match="eval.enable does not combine with pipeline"):
-        check(cfg, 2)
-
-
 SMALL = (
     "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads",
     "4", "--model.multiple_of", "32", "--training.seq_len", "64", "--training.steps", "2",
@@ -152,6 +144,11 @@ LAYOUTS = {
     "cp=2": (2, ["--parallelism.context_parallel_degree", "2"]),
     "dp_replicate=2": (2, ["--parallelism.data_parallel_replicate_degree", "2",
                            "--training.local_batch_size", "4"]),
+    "pp=2": (2, ["--parallelism.pipeline_parallel_degree", "2",
+                 "--parallelism.pipeline_parallel_schedule", "1F1B"]),
+    "pp=2 x tp=2": (4, ["--parallelism.pipeline_parallel_degree", "2",
+                        "--parallelism.tensor_parallel_degree", "2",
+                        "--parallelism.pipeline_parallel_schedule", "GPipe"]),
 }  # fmt: skip
 
 

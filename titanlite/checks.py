@@ -143,11 +143,6 @@ def check(cfg: JobConfig, world_size: int) -> Tokenizer | None:
         if degrees and name in converters.REGISTRY:
             for line in converters.get(name).refuses(degrees, cfg):
                 problems.add(f"model.converters: {name}: {line}")
-    if cfg.eval.enable and degrees and degrees.pp > 1:
-        problems.add(
-            "eval.enable does not combine with pipeline parallelism yet; set "
-            "parallelism.pipeline_parallel_degree to 1 or eval.enable to false"
-        )
     if cfg.eval.enable and (cfg.eval.freq < 1 or cfg.eval.batch_size < 1 or cfg.eval.limit < 0):
         problems.add("eval: freq and batch_size must be at least 1, limit at least 0")
     t = cfg.training

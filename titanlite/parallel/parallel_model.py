@@ -115,19 +115,14 @@ class ParallelModel:
         """Forward only, per row [batch]: the summed loss over this rank's target tokens, and
         how many of them are not the model's most likely token there (0 for every token of a
         row: greedy decoding would produce its targets). This rank's context chunks under CP:
-        add both up over the loss group. Not under PP yet."""
-        if self.pipeline is not None:
-            raise RuntimeError("per-row scores are not computed through a pipeline yet")
+        add both up over the loss group. Under PP the same on every stage."""
         with self._train_context():
-            labels = self.local_labels(labels)
-            logits = self(inputs)
-            ce = F.cross_entropy(
-                logits.flatten(0, 1), labels.flatten(), reduction="none",
-                ignore_index=IGNORE_INDEX,
-            )  # fmt: skip
-            # (under loss parallel the vocabulary is gathered for this: eval batches are small)
-            misses = (_full(logits).argmax(-1) != labels) & (labels != IGNORE_INDEX)
-            return _full(ce).view(labels.shape).sum(1), misses.sum(1)
+            if self.pipeline is not None:
+                sums, misses = self.pipeline.forward_only(
+                    inputs, labels, _row_scores, width=2, per_row=True
+                )
+                return sums, misses
+            return tuple(_row_scores(self(inputs), self.local_labels(labels)))
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits of this rank's tokens from whole sequences [batch, seq] of ids: under
@@ -202,3 +197,14 @@ class ParallelModel:
 def _full(value: torch.Tensor) -> torch.Tensor:
     """A plain tensor from a possibly distributed one (logits under loss parallel)."""
     return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def _row_scores(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """[2, batch]: each row's summed cross-entropy and count of targets that are not the most
+    likely token (under loss parallel the vocabulary is gathered for this: eval batches are
+    small)."""
+    ce = F.cross_entropy(
+        logits.flatten(0, 1), labels.flatten(), reduction="none", ignore_index=IGNORE_INDEX
+    )
+    misses = (_full(logits).argmax(-1) != labels) & (labels != IGNORE_INDEX)
+    return torch.stack([_full(ce).view(labels.shape).sum(1), misses.sum(1).to(ce.dtype)])

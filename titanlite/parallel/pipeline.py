@@ -207,7 +207,17 @@ class Pipeline:
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The summed loss of a local batch, forward only, the same on every pp rank.
+        """The summed loss of a local batch, forward only, the same on every pp rank."""
+        loss = lambda logits, y: self._loss_sum(logits, y)[1][0]  # noqa: E731
+        return self.forward_only(inputs, labels, loss, width=1, per_row=False).sum()
+
+    def forward_only(
+        self, inputs: torch.Tensor, labels: torch.Tensor, score: Callable[..., torch.Tensor],
+        *, width: int, per_row: bool,
+    ) -> torch.Tensor:  # fmt: skip
+        """``score(logits, labels)`` of each micro-batch of a local batch, forward only: a
+        [width, rows] tensor (``per_row``) or ``width`` values per micro-batch, side by side
+        in micro-batch order, the same on every pp rank.
 
         Not through the schedule: ``eval()`` of the V schedules fails in torch 2.13 (their
         actions still include backward steps). Each micro-batch goes through the stages in
@@ -215,10 +225,12 @@ class Pipeline:
         its receive. Validation is rare: no overlap is needed.
         """
         plan, n = self.plan, self.plan.n_stages
-        ce = torch.zeros((), device=labels.device)
-        for inputs_mb, labels_mb in zip(
-            inputs.chunk(plan.microbatches), labels.chunk(plan.microbatches), strict=True
-        ):
+        m = plan.microbatches
+        chunks = list(zip(inputs.chunk(m), labels.chunk(m), strict=True))
+        columns = [len(y) if per_row else 1 for _, y in chunks]
+        out = torch.zeros(width, sum(columns), device=labels.device)
+        at = 0
+        for (inputs_mb, labels_mb), cols in zip(chunks, columns, strict=True):
             hidden: torch.Tensor | None = None
             for stage in range(n):
                 if stage not in self.local:
@@ -231,11 +243,12 @@ class Pipeline:
                     x = self._receive(plan.stage_rank(stage - 1), labels.device)
                 hidden = self.local[stage](x)
                 if stage == n - 1:
-                    ce = ce + self._loss_sum(hidden, labels_mb)[1][0]
+                    out[:, at : at + cols] = score(hidden, labels_mb).reshape(width, cols)
                 elif plan.stage_rank(stage + 1) != self.pp_rank:
                     self._send(hidden, plan.stage_rank(stage + 1))
-        dist.all_reduce(ce, dist.ReduceOp.SUM, group=self.group)  # from the last stage
-        return ce
+            at += cols
+        dist.all_reduce(out, dist.ReduceOp.SUM, group=self.group)  # from the last stage
+        return out
 
     def _send(self, tensor: torch.Tensor, pp_rank: int) -> None:
         tensor = tensor.contiguous()

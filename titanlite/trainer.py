@@ -110,13 +110,17 @@ class Trainer:
         )  # fmt: skip
         self.startup.mark("model")
 
-        # 4. Optimization: one optimizer and schedule per model part.
+        # 4. Optimization: one optimizer and schedule per model part. Where nothing is
+        # sharded, replicas hold the same plain weights: Muon splits its matrices over them.
+        replicated = degrees.dp_shard == 1 and degrees.dp_replicate * degrees.cp > 1
         self.optimizers, self.lr_schedulers, groups = build_optimizers(
             self.model.parts,
             cfg.optimizer,
             cfg.lr_scheduler,
             total_steps=t.steps,
             device=self.device,
+            muon=cfg.muon,
+            replica_group=self.dims.replica_group() if replicated else None,
         )
         self.state = TrainState()
         self.startup.mark("optimizer")

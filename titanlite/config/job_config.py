@@ -106,21 +106,45 @@ def _family_fields() -> dict[str, FamilyField]:
 @dataclass
 class Optimizer:
     name: str = "AdamW"
-    """Optimizer, by name (case-insensitive): AdamW. docs/models.md shows how to add one."""
+    """Optimizer, by name (case-insensitive): AdamW or Muon (hidden matrices; the rest AdamW, docs/muon.md). docs/models.md shows how to add one."""
     lr: float = 8e-4
     """Peak learning rate (reached at the end of warmup)."""
     eps: float = 1e-8
-    """Adam epsilon."""
+    """Adam epsilon (AdamW groups)."""
     weight_decay: float = 0.1
     """Decoupled weight decay (by default on matrices only, not on norms: see param_groups)."""
     beta1: float = 0.9
-    """Adam beta1."""
+    """Adam beta1 (AdamW groups)."""
     beta2: float = 0.95
-    """Adam beta2."""
+    """Adam beta2 (AdamW groups)."""
     implementation: Literal["auto", "foreach", "fused", "for-loop"] = "auto"
-    """Kernel choice: auto = fused on CUDA and CPU (the fastest there), foreach elsewhere."""
+    """AdamW's kernel: auto = fused on CUDA and CPU (the fastest there), foreach elsewhere."""
     param_groups: list[ParamGroupRule] = field(default_factory=list)
-    """Ordered rules putting parameters into groups, as [[optimizer.param_groups]] tables (params, dims, optimizer, lr_scale, weight_decay, name); empty = the optimizer's own default (AdamW: weight decay on matrices only)."""
+    """Ordered rules putting parameters into groups, as [[optimizer.param_groups]] tables (params, dims, optimizer, lr_scale, weight_decay, name); empty = the optimizer's own default (AdamW: weight decay on matrices only; Muon: hidden matrices to Muon, the rest to AdamW)."""
+
+
+@dataclass
+class Muon:
+    """[muon]: the update of Muon groups (optimizer.name = "Muon"); their lr and weight decay come from [optimizer] and its param_groups rules, like AdamW's."""
+
+    momentum: float = 0.95
+    """Momentum of the gradient buffer (buf = momentum * buf + grad)."""
+    nesterov: bool = True
+    """Orthogonalize grad + momentum * buf (Nesterov) rather than buf."""
+    ns_steps: int = 5
+    """Newton-Schulz iterations per step."""
+    ns_a: float = 3.4445
+    """Quintic Newton-Schulz coefficient a (X <- a X + b (X X^T) X + c (X X^T)^2 X)."""
+    ns_b: float = -4.7750
+    """Quintic Newton-Schulz coefficient b."""
+    ns_c: float = 2.0315
+    """Quintic Newton-Schulz coefficient c."""
+    ns_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Precision of the Newton-Schulz iteration: float32 (exact across layouts) or bfloat16 (about twice as fast on GPUs)."""
+    lr_adjustment: Literal["match_rms_adamw", "original", "none"] = "match_rms_adamw"
+    """Scale of a matrix's step: match_rms_adamw = lr * 0.2 * sqrt(max(rows, cols)) (Moonlight: AdamW's lr and weight decay fit), original = lr * sqrt(max(1, fan_out / fan_in)), none = lr."""
+    eps: float = 1e-7
+    """Added to the update's Frobenius norm before the iteration divides by it."""
 
 
 @dataclass
@@ -318,6 +342,7 @@ class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
     optimizer: Optimizer = field(default_factory=Optimizer)
+    muon: Muon = field(default_factory=Muon)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)

@@ -1,0 +1,98 @@
+"""Muon's per-rank cost at scale, by arithmetic (a dry run: nothing is allocated).
+
+For Llama 3 8B and 70B (titanlite's flavors) and a world of N ranks, the Newton-Schulz FLOPs
+and the bytes each rank sends and receives per step for Muon's orthogonalization, with the
+owners titanlite's Orthogonalizer picks (round-robin over the ranks holding a matrix, in
+parameter order) and the busiest rank reported (it sets the step):
+
+  FSDP over N ranks (the "sharded" plan): the owner gathers S (N-1)/N and scatters as much;
+  every other rank sends and receives S/N of each matrix.
+  FSDP x TP 8 (the "gathered" plan, 70B's shipped layout): every rank all-gathers each matrix
+  (S (N-1)/N) and receives the owner's result (S).
+
+    python scripts/bench_muon.py [--ns-steps 5] [--bytes-per-element 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+
+from titanlite import models
+from titanlite.config import load_config
+from titanlite.optim import resolve_groups
+
+
+@dataclass(frozen=True)
+class Cost:
+    flops: float
+    """Newton-Schulz FLOPs of the busiest rank."""
+    sent: float
+    """Bytes the busiest rank sends."""
+    received: float
+    """Bytes the busiest rank receives."""
+
+
+def hidden_matrices(flavor: str) -> list[tuple[int, int]]:
+    """The shapes Muon's default rules take in a Llama 3 flavor, in parameter order (the
+    model built on the meta device)."""
+    spec = models.get("llama3")
+    with torch.device("meta"):
+        model = spec.build(spec.make_args(flavor, 128256, 8192, {}))
+    cfg = load_config(["--optimizer.name", "muon"])
+    muon = [g for g in resolve_groups(model, cfg.optimizer) if g.optimizer == "muon"]
+    return [tuple(p.shape) for g in muon for p in g.params]  # type: ignore[misc]
+
+
+def newton_schulz_flops(out: int, inp: int, steps: int) -> float:
+    m, n = min(out, inp), max(out, inp)
+    return steps * (4 * m * m * n + 2 * m**3)
+
+
+def per_rank_cost(
+    shapes: list[tuple[int, int]], world: int, *, steps: int, element: int, gathered: bool
+) -> Cost:
+    flops, sent, received = [0.0] * world, [0.0] * world, [0.0] * world
+    for i, (out, inp) in enumerate(shapes):
+        owner, size = i % world, out * inp * element
+        flops[owner] += newton_schulz_flops(out, inp, steps)
+        for r in range(world):
+            if gathered:
+                received[r] += size * (world - 1) / world + (0 if r == owner else size)
+                sent[r] += size / world + (size if r == owner else 0)
+            elif r == owner:
+                received[r] += size * (world - 1) / world
+                sent[r] += size * (world - 1) / world
+            else:
+                received[r] += size / world
+                sent[r] += size / world
+    busiest = max(range(world), key=lambda r: (flops[r], received[r]))
+    return Cost(flops[busiest], sent[busiest], received[busiest])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ns-steps", type=int, default=5)
+    parser.add_argument("--bytes-per-element", type=int, default=4)
+    a = parser.parse_args()
+    print(
+        "| model | layout | ranks | matrices | NS TFLOP per rank | GiB sent / received per rank |"
+    )
+    print("|---|---|---|---|---|---|")
+    for flavor, layouts in (("8B", [("FSDP", False)]),
+                            ("70B", [("FSDP", False), ("FSDP x TP 8", True)])):  # fmt: skip
+        shapes = hidden_matrices(flavor)
+        for layout, gathered in layouts:
+            for world in (8, 64, 512, 2048):
+                c = per_rank_cost(
+                    shapes, world, steps=a.ns_steps, element=a.bytes_per_element,
+                    gathered=gathered,
+                )  # fmt: skip
+                print(f"| {flavor} | {layout} | {world:,} | {len(shapes)} | {c.flops / 1e12:.2f} "
+                      f"| {c.sent / 2**30:.2f} / {c.received / 2**30:.2f} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -7,8 +7,9 @@ parameter order) and the busiest rank reported (it sets the step):
 
   FSDP over N ranks (the "sharded" plan): the owner gathers S (N-1)/N and scatters as much;
   every other rank sends and receives S/N of each matrix.
-  FSDP x TP 8 (the "gathered" plan, 70B's shipped layout): every rank all-gathers each matrix
-  (S (N-1)/N) and receives the owner's result (S).
+  FSDP x TP 8 (the "gathered" plan, 70B's shipped layout): the same, in two hops (along tp to
+  the rank in line with the owner, then along dp), so those relays also move their row's
+  8 S/N.
 
     python scripts/bench_muon.py [--ns-steps 5] [--bytes-per-element 4]
 """
@@ -52,24 +53,26 @@ def newton_schulz_flops(out: int, inp: int, steps: int) -> float:
 
 
 def per_rank_cost(
-    shapes: list[tuple[int, int]], world: int, *, steps: int, element: int, gathered: bool
+    shapes: list[tuple[int, int]], world: int, *, steps: int, element: int, tp: int
 ) -> Cost:
-    flops, sent, received = [0.0] * world, [0.0] * world, [0.0] * world
+    """The busiest rank's cost. ``tp`` 1: FSDP over ``world`` (the "sharded" plan: one gather
+    and one scatter over the ranks). ``tp`` > 1: FSDP x TP on a (world / tp) x tp mesh (the
+    "gathered" plan: the gather hops along tp to the ranks in line with the owner, then along
+    dp to the owner; the scatter back the same way)."""
+    flops, moved = [0.0] * world, [0.0] * world  # each rank sends as much as it receives
     for i, (out, inp) in enumerate(shapes):
         owner, size = i % world, out * inp * element
+        piece = size / world
         flops[owner] += newton_schulz_flops(out, inp, steps)
         for r in range(world):
-            if gathered:
-                received[r] += size * (world - 1) / world + (0 if r == owner else size)
-                sent[r] += size / world + (size if r == owner else 0)
-            elif r == owner:
-                received[r] += size * (world - 1) / world
-                sent[r] += size * (world - 1) / world
+            if r == owner:
+                moved[r] += size - piece
+            elif tp > 1 and r % tp == owner % tp:  # relays its tp row to the owner
+                moved[r] += (tp - 1) * piece + tp * piece
             else:
-                received[r] += size / world
-                sent[r] += size / world
-    busiest = max(range(world), key=lambda r: (flops[r], received[r]))
-    return Cost(flops[busiest], sent[busiest], received[busiest])
+                moved[r] += piece
+    busiest = max(range(world), key=lambda r: (flops[r], moved[r]))
+    return Cost(flops[busiest], moved[busiest], moved[busiest])
 
 
 def main() -> None:
@@ -81,14 +84,14 @@ def main() -> None:
         "| model | layout | ranks | matrices | NS TFLOP per rank | GiB sent / received per rank |"
     )
     print("|---|---|---|---|---|---|")
-    for flavor, layouts in (("8B", [("FSDP", False)]),
-                            ("70B", [("FSDP", False), ("FSDP x TP 8", True)])):  # fmt: skip
+    for flavor, layouts in (("8B", [("FSDP", 1)]),
+                            ("70B", [("FSDP", 1), ("FSDP x TP 8", 8)])):  # fmt: skip
         shapes = hidden_matrices(flavor)
-        for layout, gathered in layouts:
+        for layout, tp in layouts:
             for world in (8, 64, 512, 2048):
                 c = per_rank_cost(
                     shapes, world, steps=a.ns_steps, element=a.bytes_per_element,
-                    gathered=gathered,
+                    tp=tp,
                 )  # fmt: skip
                 print(f"| {flavor} | {layout} | {world:,} | {len(shapes)} | {c.flops / 1e12:.2f} "
                       f"| {c.sent / 2**30:.2f} / {c.received / 2**30:.2f} |")  # fmt: skip

@@ -12,10 +12,11 @@ parameter, made at its first step):
   sharded     a DTensor split along one of its matrix dims by one mesh dim (FSDP, HSDP,
               TP alone): the owner (round-robin over that dim's ranks) gathers the shards,
               orthogonalizes, and scatters the result's shards back
-  gathered    a DTensor split along both matrix dims or by two mesh dims (FSDP x TP): every
-              rank of the mesh gathers it (DTensor's full_tensor), the owner (round-robin
-              over the whole mesh) orthogonalizes and broadcasts it (one mesh dim at a time),
-              each rank keeps its shard
+  gathered    a DTensor split along both matrix dims or by two mesh dims (FSDP x TP,
+              FSDP's strided rows included): the same gather to an owner (round-robin over
+              the whole mesh) and scatter back, one mesh dim at a time over the groups the
+              mesh already has, each rank's piece padded to the largest; the owner places
+              the pieces by their global indices (computed once, as DTensor splits)
 
 So each matrix's Newton-Schulz runs on exactly one rank of the ranks that hold it, and the
 work per rank falls with the number of those ranks. docs/muon.md counts the bytes per layout.
@@ -25,16 +26,17 @@ the order of collectives agree without any exchange.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 logger = logging.getLogger(__name__)
@@ -63,6 +65,11 @@ class Plan:
     placements: tuple[Placement, ...] = ()
     owner_coordinate: tuple[int, ...] = ()
     """gathered: the owner's coordinate on the mesh."""
+    counts: list[int] = field(default_factory=list)
+    """gathered: every mesh rank's number of elements (mesh coordinates in row-major order)."""
+    index: torch.Tensor | None = None
+    """gathered, on the owner: the global flat index of every rank's elements, in that
+    order."""
 
 
 class Orthogonalizer:
@@ -80,6 +87,7 @@ class Orthogonalizer:
         self.replica_group = replica_group
         self.plans: dict[int, Plan] = {}
         self._next_owner: dict[tuple[int, ...], int] = {}  # per set of ranks: its position
+        self._counts: dict[tuple, list[int]] = {}  # gathered plans' piece sizes, by layout
 
     def __call__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
         first = not self.plans
@@ -97,11 +105,7 @@ class Orthogonalizer:
         pending: list[tuple[int, list[torch.Tensor], dist.Work]] = []
         for i, (plan, update) in enumerate(zip(plans, updates, strict=True)):
             if plan.kind == "gathered":
-                full = DTensor.from_local(
-                    update, plan.mesh, plan.placements, run_check=False,
-                    shape=pairs[i][0].shape, stride=pairs[i][0].stride(),
-                ).full_tensor()  # fmt: skip
-                whole[i] = full if plan.is_owner else None
+                whole[i] = _gather_over_mesh(update, plan, pairs[i][0].shape)
             elif plan.kind == "sharded":
                 chunk = max(plan.sizes)
                 parts = [_pad(update, plan.dim, chunk)]
@@ -152,11 +156,7 @@ class Orthogonalizer:
                 out[i] = buf
         for i, plan in enumerate(plans):
             if plan.kind == "gathered":
-                shape = pairs[i][0].shape
-                whole_result = _broadcast_over_mesh(result[i], shape, updates[i], plan)
-                out[i] = distribute_tensor(
-                    whole_result, plan.mesh, plan.placements, src_data_rank=None
-                ).to_local()
+                out[i] = _scatter_over_mesh(result[i], updates[i], plan)
         return out  # type: ignore[return-value]
 
     def plan(self, param: torch.Tensor) -> Plan:
@@ -208,32 +208,104 @@ class Orthogonalizer:
         owner = self._next(tuple(mesh.mesh.flatten().tolist()))
         coordinate = mesh.get_coordinate()
         assert coordinate is not None  # a parameter lives on the meshes of its ranks
-        owner_coordinate = tuple(
-            int(c) for c in torch.unravel_index(torch.tensor(owner), mesh.shape)
-        )
-        return Plan(
-            "gathered", mesh=mesh, placements=placements, owner_coordinate=owner_coordinate,
-            is_owner=tuple(coordinate) == owner_coordinate,
+        coordinates = list(itertools.product(*(range(n) for n in mesh.shape)))
+        # Every rank's piece of the whole, as distribute_tensor cuts it; sizes from a meta
+        # tensor (no memory), global indices only on the owner.
+        key = (tuple(param.shape), mesh.shape, placements)
+        if key not in self._counts:
+            meta = torch.empty(param.shape, device="meta")
+            self._counts[key] = [
+                _piece(meta, mesh.shape, placements, c).numel() for c in coordinates
+            ]
+        counts = self._counts[key]
+        plan = Plan(
+            "gathered", mesh=mesh, placements=placements, owner_coordinate=coordinates[owner],
+            is_owner=tuple(coordinate) == coordinates[owner], counts=counts,
         )  # fmt: skip
+        if plan.is_owner:
+            flat = torch.arange(param.numel(), device=param.device).view(param.shape)
+            pieces = [_piece(flat, mesh.shape, placements, c).reshape(-1) for c in coordinates]
+            plan.index = torch.cat(pieces)
+        return plan
 
 
-def _broadcast_over_mesh(
-    result: torch.Tensor | None, shape: torch.Size, like: torch.Tensor, plan: Plan
-) -> torch.Tensor:
-    """The owner's whole ``result`` on every rank of the plan's mesh, one mesh dim at a time
-    (innermost first: the owner's row, then every row from it, ...), over the groups the
-    mesh already has."""
-    buf = result.contiguous() if result is not None else like.new_empty(shape)
+def _piece(
+    tensor: torch.Tensor, mesh_shape: tuple[int, ...], placements: tuple[Placement, ...],
+    coordinate: tuple[int, ...],
+) -> torch.Tensor:  # fmt: skip
+    """The part of ``tensor`` the rank at ``coordinate`` holds, cut as distribute_tensor
+    cuts it (mesh dim by mesh dim, through the placements' own split)."""
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, Shard | _StridedShard):
+            pieces, _ = placement._split_tensor(
+                tensor, mesh_shape[mesh_dim], with_padding=False, contiguous=False
+            )
+            tensor = pieces[coordinate[mesh_dim]]
+    return tensor
+
+
+def _participates(coordinate: Sequence[int], owner: Sequence[int], mesh_dim: int) -> bool:
+    """Whether a rank takes part in the hop along ``mesh_dim``: it agrees with the owner on
+    every inner dim (the hops along those gathered its data there, or will scatter it from
+    there)."""
+    return all(coordinate[d] == owner[d] for d in range(mesh_dim + 1, len(owner)))
+
+
+def _gather_over_mesh(update: torch.Tensor, plan: Plan, shape: torch.Size) -> torch.Tensor | None:
+    """The whole matrix on the owner (None elsewhere): every rank's piece, padded to the
+    largest, gathered along the innermost mesh dim to the rank in line with the owner, then
+    those along the next dim, and so on out to the owner."""
     mesh, owner = plan.mesh, plan.owner_coordinate
     assert mesh is not None
     coordinate = mesh.get_coordinate()
     assert coordinate is not None
-    for dim in reversed(range(mesh.ndim)):
-        # Those that agree with the owner on the outer dims: their dim group holds a rank
-        # that has the result by now (the owner's coordinate along ``dim``).
-        if all(coordinate[d] == owner[d] for d in range(dim)):
-            dist.broadcast(buf, group=mesh.get_group(dim), group_src=owner[dim])
-    return buf
+    slot = max(plan.counts)
+    buf = update.new_zeros(slot)
+    buf[: update.numel()] = update.reshape(-1)
+    for mesh_dim in reversed(range(mesh.ndim)):
+        if not _participates(coordinate, owner, mesh_dim):
+            break
+        receiving = coordinate[mesh_dim] == owner[mesh_dim]
+        parts = [torch.empty_like(buf) for _ in range(mesh.size(mesh_dim))] if receiving else None
+        dist.gather(buf, parts, group=mesh.get_group(mesh_dim), group_dst=owner[mesh_dim])
+        if not receiving:
+            return None
+        buf = torch.cat(parts)  # type: ignore[arg-type]
+    assert plan.index is not None
+    values = torch.cat([buf[r * slot : r * slot + n] for r, n in enumerate(plan.counts)])
+    return update.new_empty(shape).view(-1).index_copy_(0, plan.index, values).view(shape)
+
+
+def _scatter_over_mesh(
+    result: torch.Tensor | None, update: torch.Tensor, plan: Plan
+) -> torch.Tensor:
+    """This rank's piece of the owner's ``result``: the gather's hops in reverse (outermost
+    mesh dim first), each scattering the padded pieces of the ranks behind it."""
+    mesh, owner = plan.mesh, plan.owner_coordinate
+    assert mesh is not None
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None
+    slot = max(plan.counts)
+    buf: torch.Tensor | None = None
+    if result is not None:
+        assert plan.index is not None
+        values = result.reshape(-1)[plan.index]
+        buf = update.new_zeros(len(plan.counts) * slot)
+        start = 0
+        for r, n in enumerate(plan.counts):
+            buf[r * slot : r * slot + n] = values[start : start + n]
+            start += n
+    for mesh_dim in range(mesh.ndim):
+        if not _participates(coordinate, owner, mesh_dim):
+            continue
+        behind = slot * math.prod(mesh.shape[mesh_dim + 1 :])
+        out = update.new_empty(behind)
+        sending = coordinate[mesh_dim] == owner[mesh_dim] and buf is not None
+        chunks = list(buf.split(behind)) if sending else None  # type: ignore[union-attr]
+        dist.scatter(out, chunks, group=mesh.get_group(mesh_dim), group_src=owner[mesh_dim])
+        buf = out
+    assert buf is not None
+    return buf[: update.numel()].view(update.shape)
 
 
 def _dim(placement: Placement, ndim: int) -> int:

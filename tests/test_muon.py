@@ -246,6 +246,11 @@ LAYOUTS = {
                  "--training.local_batch_size", "4"]),
     "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2",
                 "--training.local_batch_size", "8"]),
+    "hsdp2x2": (4, ["--parallelism.data_parallel_replicate_degree", "2",
+                    "--parallelism.data_parallel_shard_degree", "2",
+                    "--training.local_batch_size", "2"]),
+    "tp2": (2, ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8"]),
+    "cp2": (2, ["--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "8"]),
 }  # fmt: skip
 # Muon normalizes each update, so the loss is less forgiving of a wrong gradient than Adam's;
 # the gradient norm (before clipping) catches a wrong scale directly.
@@ -298,12 +303,16 @@ def test_layout_matches_one_process(layout: str, one_process: dict, tmp_path: Pa
     measured = worst(one_process, curves, list(range(1, STEPS + 1)))
     print(f"muon {layout}: worst relative difference {measured}")
     assert all(v <= RTOL for v in measured.values()), measured
-    # Rank 0's share of the 14 matrices (2 blocks x 7): a half over 2 replicas, its stage's
-    # 7 under pp, 4 of 14 round-robin over the 4 ranks of FSDP x TP.
+    # Rank 0's share of the 14 matrices (2 blocks x 7): a half over 2 replicas (DDP, and the
+    # cp ranks that DDP averages over), its stage's 7 under pp, 4 of 14 round-robin over the
+    # 4 ranks of FSDP x TP, a half over the 2 shards of its HSDP row or of TP.
     owned = {
         "dp_shard2_tp2": "14 matrices (14 gathered); this rank orthogonalizes 4",
         "ddp2": "14 matrices (14 replicated); this rank orthogonalizes 7",
         "pp2": "7 matrices (7 local); this rank orthogonalizes 7",
+        "hsdp2x2": "14 matrices (14 sharded); this rank orthogonalizes 7",
+        "tp2": "14 matrices (14 sharded); this rank orthogonalizes 7",
+        "cp2": "14 matrices (14 replicated); this rank orthogonalizes 7",
     }[layout]
     assert any(owned in line for line in log), [line for line in log if "muon:" in line]
 

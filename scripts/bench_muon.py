@@ -12,11 +12,22 @@ parameter order) and the busiest rank reported (it sets the step):
   8 S/N.
 
     python scripts/bench_muon.py [--ns-steps 5] [--bytes-per-element 4]
+
+``--time FLAVOR`` measures instead: the optimizer step alone (AdamW, then Muon with its
+default groups) of a Llama 3 flavor on this machine's CPU, random gradients, one process or,
+under torchrun with gloo, FSDP over the ranks (each block a unit, as titanlite shards); the
+median wall and CPU time per step of the busiest rank over ``--steps`` after 2 warm-up steps:
+
+    python scripts/bench_muon.py --time bench
+    torchrun --nproc-per-node 4 scripts/bench_muon.py --time bench
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
+import time
 from dataclasses import dataclass
 
 import torch
@@ -75,11 +86,67 @@ def per_rank_cost(
     return Cost(flops[busiest], moved[busiest], moved[busiest])
 
 
+def time_steps(flavor: str, steps: int) -> None:
+    """Median seconds (wall, CPU) of AdamW's and Muon's optimizer step; rank 0 prints."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from titanlite.optim import build_optimizer
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    spec = models.get("llama3")
+    results = {}
+    for name in ("adamw", "muon"):
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = spec.build(spec.make_args(flavor, 2048, 512, {}))
+        if world > 1:
+            mesh = init_device_mesh("cpu", (world,))
+            for block in model.layers.values():
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        model.to_empty(device="cpu")
+        for p in model.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+        cfg = load_config(["--optimizer.name", name])
+        optimizer, _ = build_optimizer(model, cfg.optimizer, torch.device("cpu"), muon=cfg.muon)
+        walls, cpus = [], []
+        for _ in range(steps + 2):
+            for p in model.parameters():
+                p.grad = torch.randn_like(p) * 1e-3
+            if world > 1:
+                dist.barrier()
+            wall, cpu = time.perf_counter(), time.process_time()
+            optimizer.step()
+            walls.append(time.perf_counter() - wall)
+            cpus.append(time.process_time() - cpu)
+        stats = torch.tensor([statistics.median(walls[2:]), statistics.median(cpus[2:])])
+        if world > 1:
+            dist.all_reduce(stats, dist.ReduceOp.MAX)
+        results[name] = stats.tolist()
+    if world == 1 or dist.get_rank() == 0:
+        n = sum(p.numel() for p in model.parameters())
+        for name, (wall, cpu) in results.items():
+            print(f"{flavor} ({n:,} params), {world} rank(s): {name} step "
+                  f"{wall * 1e3:.1f} ms wall, {cpu * 1e3:.1f} ms CPU (busiest rank, median)")  # fmt: skip
+    if world > 1:
+        dist.destroy_process_group()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ns-steps", type=int, default=5)
     parser.add_argument("--bytes-per-element", type=int, default=4)
+    parser.add_argument("--time", metavar="FLAVOR", help="measure the optimizer step instead")
+    parser.add_argument("--steps", type=int, default=10)
     a = parser.parse_args()
+    if a.time:
+        time_steps(a.time, a.steps)
+        return
     print(
         "| model | layout | ranks | matrices | NS TFLOP per rank | GiB sent / received per rank |"
     )

@@ -202,6 +202,22 @@ def test_an_adamw_run_with_a_muon_rule_builds_one_optimizer_for_both(tmp_path: P
     ]
 
 
+def test_rules_naming_optimizers_none_hosts_are_a_one_line_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from titanlite import optim
+
+    toy = optim.OptimizerEntry(module="titanlite.optim.adamw", default_rules=())
+    monkeypatch.setitem(optim.REGISTRY, "toy", toy)
+    cfg = load_config(["--optimizer.param_groups", '[{params = "*norm*", optimizer = "toy"}, {}]'])
+    with pytest.raises(UserError) as e:
+        build_optimizer(debug_llama(), cfg.optimizer, torch.device("cpu"))
+    assert str(e.value) == (
+        "optimizer.param_groups: the rules name adamw, toy, which no optimizer steps "
+        "together; a part may mix only muon (with adamw)"
+    )
+
+
 # --- distributed ------------------------------------------------------------------------------
 
 

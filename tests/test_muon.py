@@ -218,6 +218,16 @@ def test_rules_naming_optimizers_none_hosts_are_a_one_line_error(
     )
 
 
+def test_a_torchtitan_toml_with_another_optimizer_still_blocks_naming_both() -> None:
+    from titanlite.config import torchtitan
+
+    conversion = torchtitan.convert({"optimizer": {"name": "Adam"}})
+    assert (
+        'blocking: optimizer.name = "Adam": not a value of optimizer.name: titanlite\'s '
+        "optimizers are adamw, muon" in conversion.report_lines()
+    )
+
+
 # --- distributed ------------------------------------------------------------------------------
 
 

@@ -277,6 +277,9 @@ LAYOUTS = {
                     "--training.local_batch_size", "2"]),
     "tp2": (2, ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8"]),
     "cp2": (2, ["--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "8"]),
+    "pp2_dp_shard2": (4, ["--parallelism.pipeline_parallel_degree", "2",
+                          "--parallelism.data_parallel_shard_degree", "2",
+                          "--training.local_batch_size", "4"]),
 }  # fmt: skip
 # Muon normalizes each update, so the loss is less forgiving of a wrong gradient than Adam's;
 # the gradient norm (before clipping) catches a wrong scale directly.
@@ -331,7 +334,8 @@ def test_layout_matches_one_process(layout: str, one_process: dict, tmp_path: Pa
     assert all(v <= RTOL for v in measured.values()), measured
     # Rank 0's share of the 14 matrices (2 blocks x 7): a half over 2 replicas (DDP, and the
     # cp ranks that DDP averages over), its stage's 7 under pp, 4 of 14 round-robin over the
-    # 4 ranks of FSDP x TP, a half over the 2 shards of its HSDP row or of TP.
+    # 4 ranks of FSDP x TP, a half over the 2 shards of its HSDP row or of TP (its stage's 7
+    # over 2 under pp x FSDP: positions 0, 2, 4, 6).
     owned = {
         "dp_shard2_tp2": "14 matrices (14 gathered); this rank orthogonalizes 4",
         "ddp2": "14 matrices (14 replicated); this rank orthogonalizes 7",
@@ -339,6 +343,7 @@ def test_layout_matches_one_process(layout: str, one_process: dict, tmp_path: Pa
         "hsdp2x2": "14 matrices (14 sharded); this rank orthogonalizes 7",
         "tp2": "14 matrices (14 sharded); this rank orthogonalizes 7",
         "cp2": "14 matrices (14 replicated); this rank orthogonalizes 7",
+        "pp2_dp_shard2": "7 matrices (7 sharded); this rank orthogonalizes 4",
     }[layout]
     assert any(owned in line for line in log), [line for line in log if "muon:" in line]
 

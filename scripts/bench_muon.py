@@ -2,8 +2,8 @@
 
 For Llama 3 8B and 70B (titanlite's flavors) and a world of N ranks, the Newton-Schulz FLOPs
 and the bytes each rank sends and receives per step for Muon's orthogonalization, with the
-owners titanlite's Orthogonalizer picks (round-robin over the ranks holding a matrix, in
-parameter order) and the busiest rank reported (it sets the step):
+owners titanlite's Orthogonalizer picks (the least loaded of the ranks holding a matrix,
+largest matrix first) and the busiest rank reported (it sets the step):
 
   FSDP over N ranks (the "sharded" plan): the owner gathers S (N-1)/N and scatters as much;
   every other rank sends and receives S/N of each matrix.
@@ -35,6 +35,7 @@ import torch
 from titanlite import models
 from titanlite.config import load_config
 from titanlite.optim import resolve_groups
+from titanlite.optim.orthogonalize import newton_schulz_flops
 
 
 @dataclass(frozen=True)
@@ -58,23 +59,21 @@ def hidden_matrices(flavor: str) -> list[tuple[int, int]]:
     return [tuple(p.shape) for g in muon for p in g.params]  # type: ignore[misc]
 
 
-def newton_schulz_flops(out: int, inp: int, steps: int) -> float:
-    m, n = min(out, inp), max(out, inp)
-    return steps * (4 * m * m * n + 2 * m**3)
-
-
 def per_rank_cost(
     shapes: list[tuple[int, int]], world: int, *, steps: int, element: int, tp: int
 ) -> Cost:
-    """The busiest rank's cost. ``tp`` 1: FSDP over ``world`` (the "sharded" plan: one gather
-    and one scatter over the ranks). ``tp`` > 1: FSDP x TP on a (world / tp) x tp mesh (the
-    "gathered" plan: the gather hops along tp to the ranks in line with the owner, then along
-    dp to the owner; the scatter back the same way)."""
+    """The busiest rank's cost, owners picked as the Orthogonalizer picks them (the least
+    loaded holder, largest matrix first). ``tp`` 1: FSDP over ``world`` (the "sharded" plan: one
+    gather and one scatter over the ranks). ``tp`` > 1: FSDP x TP on a (world / tp) x tp mesh
+    (the "gathered" plan: the gather hops along tp to the ranks in line with the owner, then
+    along dp to the owner; the scatter back the same way)."""
     flops, moved = [0.0] * world, [0.0] * world  # each rank sends as much as it receives
-    for i, (out, inp) in enumerate(shapes):
-        owner, size = i % world, out * inp * element
+    by_size = sorted(shapes, key=lambda shape: -newton_schulz_flops(shape))  # stable
+    for out, inp in by_size:
+        owner = min(range(world), key=lambda r: (flops[r], r))
+        size = out * inp * element
         piece = size / world
-        flops[owner] += newton_schulz_flops(out, inp, steps)
+        flops[owner] += steps * newton_schulz_flops((out, inp))
         for r in range(world):
             if r == owner:
                 moved[r] += size - piece

@@ -8,20 +8,23 @@ parameter, made at its first step):
               expert stacks split by expert (expert parallelism, FSDP by whole experts),
               or weights that are the same on every rank without a replica group
   replicated  plain weights the same on every rank of a replica group (titanlite's DDP):
-              matrix i is orthogonalized by rank i mod R of the group and broadcast
+              each matrix is orthogonalized by its owner in the group and broadcast
   sharded     a DTensor split along one of its matrix dims by one mesh dim (FSDP, HSDP,
-              TP alone): the owner (round-robin over that dim's ranks) gathers the shards,
+              TP alone): the owner (the least loaded of that dim's ranks) gathers the shards,
               orthogonalizes, and scatters the result's shards back
   gathered    a DTensor split along both matrix dims or by two mesh dims (FSDP x TP,
-              FSDP's strided rows included): the same gather to an owner (round-robin over
-              the whole mesh) and scatter back, one mesh dim at a time over the groups the
+              FSDP's strided rows included): the same gather to an owner (the least loaded
+              of the whole mesh) and scatter back, one mesh dim at a time over the groups the
               mesh already has, each rank's piece padded to the largest; the owner places
               the pieces by their global indices (computed once, as DTensor splits)
 
 So each matrix's Newton-Schulz runs on exactly one rank of the ranks that hold it, and the
 work per rank falls with the number of those ranks. docs/muon.md counts the bytes per layout.
-Every rank of a group sees its parameters in the same order, so the round-robin owners and
-the order of collectives agree without any exchange.
+Owners are chosen greedily, largest matrix first (then in parameter order), as the holder
+with the least Newton-Schulz work so far (ties to the lowest rank): for matrices of one size
+that is round-robin; for mixed sizes it keeps the busiest rank near the even share. Every
+rank of a group sees its parameters in the same order and shapes, so the owners and the
+order of collectives agree without any exchange.
 """
 
 from __future__ import annotations
@@ -86,11 +89,15 @@ class Orthogonalizer:
         self.newton_schulz = newton_schulz
         self.replica_group = replica_group
         self.plans: dict[int, Plan] = {}
-        self._next_owner: dict[tuple[int, ...], int] = {}  # per set of ranks: its position
+        self._load: dict[tuple[int, ...], list[float]] = {}  # per set of ranks: work so far
         self._counts: dict[tuple, list[int]] = {}  # gathered plans' piece sizes, by layout
 
     def __call__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
         first = not self.plans
+        # Owners are picked largest matrix first (then in parameter order): the greedy
+        # choice then leaves the busiest rank within one small matrix of the even share.
+        for p, _ in sorted(pairs, key=lambda pair: -newton_schulz_flops(pair[0].shape)):
+            self.plan(p)
         plans = [self.plan(p) for p, _ in pairs]
         if first and plans:
             kinds = Counter(plan.kind for plan in plans)
@@ -160,22 +167,23 @@ class Orthogonalizer:
         return out  # type: ignore[return-value]
 
     def plan(self, param: torch.Tensor) -> Plan:
-        """The plan of ``param`` (made once; owners assigned round-robin per group)."""
+        """The plan of ``param`` (made once; its owner the least loaded of its holders)."""
         key = id(param)
         if key not in self.plans:
             self.plans[key] = self._make_plan(param)
         return self.plans[key]
 
-    def _next(self, ranks: tuple[int, ...]) -> int:
-        """The round-robin owner (an index into ``ranks``) of the next matrix those ranks
-        hold."""
-        position = self._next_owner.get(ranks, 0)
-        self._next_owner[ranks] = position + 1
-        return position % len(ranks)
+    def _next(self, ranks: tuple[int, ...], shape: torch.Size) -> int:
+        """The owner (an index into ``ranks``) of the next matrix those ranks hold: the one
+        with the least Newton-Schulz work so far, the lowest on a tie."""
+        load = self._load.setdefault(ranks, [0.0] * len(ranks))
+        owner = min(range(len(ranks)), key=lambda r: (load[r], r))
+        load[owner] += newton_schulz_flops(shape)
+        return owner
 
-    def _assign(self, plan: Plan, group: dist.ProcessGroup) -> Plan:
+    def _assign(self, plan: Plan, group: dist.ProcessGroup, shape: torch.Size) -> Plan:
         plan.group = group
-        plan.owner = self._next(tuple(dist.get_process_group_ranks(group)))
+        plan.owner = self._next(tuple(dist.get_process_group_ranks(group)), shape)
         plan.is_owner = dist.get_rank(group) == plan.owner
         return plan
 
@@ -184,7 +192,7 @@ class Orthogonalizer:
             group = self.replica_group
             if group is None or dist.get_world_size(group) == 1:
                 return Plan("local")
-            return self._assign(Plan("replicated"), group)
+            return self._assign(Plan("replicated"), group, param.shape)
         mesh, placements = param.device_mesh, tuple(param.placements)
         matrix_dims = {param.ndim - 2, param.ndim - 1}
         # FSDP over TP's shards splits with _StridedShard, which is not a Shard.
@@ -204,8 +212,8 @@ class Orthogonalizer:
             chunk = math.ceil(n / ranks)
             sizes = [max(0, min(chunk, n - r * chunk)) for r in range(ranks)]
             plan = Plan("sharded", dim=dim, sizes=sizes)
-            return self._assign(plan, mesh.get_group(mesh_dim))
-        owner = self._next(tuple(mesh.mesh.flatten().tolist()))
+            return self._assign(plan, mesh.get_group(mesh_dim), param.shape)
+        owner = self._next(tuple(mesh.mesh.flatten().tolist()), param.shape)
         coordinate = mesh.get_coordinate()
         assert coordinate is not None  # a parameter lives on the meshes of its ranks
         coordinates = list(itertools.product(*(range(n) for n in mesh.shape)))
@@ -227,6 +235,13 @@ class Orthogonalizer:
             pieces = [_piece(flat, mesh.shape, placements, c).reshape(-1) for c in coordinates]
             plan.index = torch.cat(pieces)
         return plan
+
+
+def newton_schulz_flops(shape: torch.Size | tuple[int, ...]) -> float:
+    """FLOPs of one Newton-Schulz iteration on a matrix of ``shape`` (or a stack of them):
+    X X^T, its square and the product with X, on the wide orientation (m <= n)."""
+    m, n = sorted(shape[-2:])
+    return math.prod(shape[:-2]) * (4 * m * m * n + 2 * m**3)
 
 
 def _piece(

@@ -115,10 +115,12 @@ class Trainer:
         )  # fmt: skip
         self.startup.mark("model")
 
-        # 4. Optimization: one optimizer and schedule per model part.
+        # 4. Optimization: one optimizer and schedule per model part (Muon: see optim/muon.py).
+        replicated = degrees.dp_shard == 1 and degrees.dp_replicate * degrees.cp > 1
         self.optimizers, self.lr_schedulers, groups = build_optimizers(
             self.model.parts, cfg.optimizer, cfg.lr_scheduler, total_steps=t.steps,
-            device=self.device,
+            device=self.device, muon=cfg.muon,
+            replica_group=self.dims.replica_group() if replicated else None,
         )  # fmt: skip
         for converter in model_converters:  # e.g. float8's FSDP scales after each step
             converter.attach(self.model.parts, self.optimizers)

@@ -72,6 +72,10 @@ def validate(cfg: JobConfig) -> None:
     require(o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0")
     require(0 <= o.beta1 < 1, "optimizer.beta1", "must be in [0, 1)")
     require(0 <= o.beta2 < 1, "optimizer.beta2", "must be in [0, 1)")
+    mu = cfg.muon
+    require(0 <= mu.momentum < 1, "muon.momentum", "must be in [0, 1)")
+    require(mu.ns_steps >= 1, "muon.ns_steps", "must be at least 1")
+    require(mu.eps > 0, "muon.eps", "must be > 0")
     require(s.warmup_steps >= 0, "lr_scheduler.warmup_steps", "must be >= 0")
     require(
         s.decay_ratio is None or 0 <= s.decay_ratio <= 1,

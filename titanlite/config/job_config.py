@@ -12,8 +12,11 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from titanlite.config.feature_sections import Eval, Float8, Muon
 from titanlite.errors import UserError
 from titanlite.optim.rules import ParamGroupRule
+
+__all__ = ["ConfigError", "Eval", "Float8", "JobConfig", "Muon"]
 
 
 class ConfigError(UserError):
@@ -106,21 +109,21 @@ def _family_fields() -> dict[str, FamilyField]:
 @dataclass
 class Optimizer:
     name: str = "AdamW"
-    """Optimizer, by name (case-insensitive): AdamW. docs/models.md shows how to add one."""
+    """Optimizer, by name (case-insensitive): AdamW or Muon (hidden matrices; the rest AdamW, docs/muon.md). docs/models.md shows how to add one."""
     lr: float = 8e-4
     """Peak learning rate (reached at the end of warmup)."""
     eps: float = 1e-8
-    """Adam epsilon."""
+    """Adam epsilon (AdamW groups)."""
     weight_decay: float = 0.1
     """Decoupled weight decay (by default on matrices only, not on norms: see param_groups)."""
     beta1: float = 0.9
-    """Adam beta1."""
+    """Adam beta1 (AdamW groups)."""
     beta2: float = 0.95
-    """Adam beta2."""
+    """Adam beta2 (AdamW groups)."""
     implementation: Literal["auto", "foreach", "fused", "for-loop"] = "auto"
-    """Kernel choice: auto = fused on CUDA and CPU (the fastest there), foreach elsewhere."""
+    """AdamW's kernel: auto = fused on CUDA and CPU (the fastest there), foreach elsewhere."""
     param_groups: list[ParamGroupRule] = field(default_factory=list)
-    """Ordered rules putting parameters into groups, as [[optimizer.param_groups]] tables (params, dims, optimizer, lr_scale, weight_decay, name); empty = the optimizer's own default (AdamW: weight decay on matrices only)."""
+    """Ordered rules putting parameters into groups, as [[optimizer.param_groups]] tables (params, dims, optimizer, lr_scale, weight_decay, name); empty = the optimizer's own default (AdamW: weight decay on matrices only; Muon: hidden matrices to Muon, the rest to AdamW)."""
 
 
 @dataclass
@@ -248,27 +251,6 @@ class Compile:
 
 
 @dataclass
-class Float8:
-    """[float8]: settings of the float8 converter (model.converters = ["float8"]; needs torchao:
-    pip install 'titanlite[float8]'). docs/performance.md says when it pays."""
-
-    recipe: Literal["rowwise", "tensorwise", "rowwise_with_gw_hp"] = "rowwise"
-    """Scaling recipe: rowwise (one scale per row of each operand), tensorwise (one per tensor; the fastest, allows the float8 FSDP all-gather), rowwise_with_gw_hp (rowwise, weight gradients in high precision)."""
-    filter_fqns: list[str] = field(default_factory=lambda: ["output", "router"])
-    """Linears kept in high precision: those whose module path contains any of these strings (default: the output projection and MoE routers)."""
-    auto_filter_small: bool = True
-    """Also keep in high precision the linears too small to gain on H100-class GPUs (torchao's measured thresholds for the recipe); linears whose sizes are not multiples of 16 always stay."""
-    enable_fsdp_float8_all_gather: bool = False
-    """tensorwise only: FSDP all-gathers the weights in float8 (half of bf16's bytes), with scales from the sharded weights."""
-    precompute_float8_dynamic_scale_for_fsdp: bool = False
-    """With enable_fsdp_float8_all_gather: compute every weight's scale in one all-reduce after each optimizer step instead of one per weight."""
-    emulate: bool = False
-    """Run the float8 matmuls in high precision on the float8-rounded values (GPUs without float8 units; results as float8's, speed not)."""
-    experts: bool = False
-    """Also the routed experts' grouped matmuls (rowwise; CUDA GPUs of compute capability 9.0 and later, through torchao)."""
-
-
-@dataclass
 class Checkpoint:
     enable: bool = True
     """Save checkpoints and resume from the latest complete one when the same command runs again."""
@@ -341,22 +323,6 @@ class Validation:
 
 
 @dataclass
-class Eval:
-    """[eval]: downstream multiple-choice tasks scored during training (docs/evaluation.md)."""
-
-    enable: bool = False
-    """Score the tasks periodically (and after the last step)."""
-    freq: int = 50
-    """Every this many steps."""
-    tasks: list[str] = field(default_factory=lambda: ["sotu_word_order"])
-    """Built-in tasks (sotu_word_order, sotu_next_sentence) or JSONL task files (docs/evaluation.md has the format)."""
-    limit: int = 100
-    """Questions scored per task (0 = all)."""
-    batch_size: int = 16
-    """Rows (one per question and choice) per forward pass."""
-
-
-@dataclass
 class Comm:
     init_timeout_seconds: float = 600.0
     """How long a collective may wait during start-up and the first step (rendezvous, model build, checkpoint load, first compile) before the run stops with a message naming the lost rank."""
@@ -369,6 +335,7 @@ class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
     optimizer: Optimizer = field(default_factory=Optimizer)
+    muon: Muon = field(default_factory=Muon)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)

@@ -8,9 +8,12 @@ rule its name and shape match. The resolved groups are logged and written to run
 This module is plain Python (config validation and the launcher's preflight read the
 registry without importing torch); the builders live in the modules the entries name.
 
-Adding an optimizer: a module with ``build(groups, settings, device) ->
-torch.optim.Optimizer`` (``groups`` are torch param-group dicts with "params", "lr" and
-"weight_decay"; ``settings`` the [optimizer] section) and one entry below.
+Adding an optimizer: a module with ``build(groups, settings, context) ->
+torch.optim.Optimizer`` (``groups`` are torch param-group dicts with "params", "lr",
+"weight_decay" and "optimizer", the registry name of the group's rule; ``settings`` the
+[optimizer] section; ``context`` a BuildContext) and one entry below. A part's groups may name
+several optimizers only when one entry ``hosts`` the others (Muon hosts AdamW): its builder
+gets every group and returns one optimizer, so checkpoints and schedules see one per part.
 """
 
 from __future__ import annotations
@@ -24,13 +27,30 @@ from titanlite.optim.rules import ParamGroupRule
 
 
 @dataclass(frozen=True)
+class BuildContext:
+    """What a builder may need beyond its groups and the [optimizer] section."""
+
+    device: Any
+    """The torch.device of the parameters."""
+    muon: Any = None
+    """The [muon] section (titanlite.config.job_config.Muon)."""
+    replica_group: Any = None
+    """The process group over which plain (not DTensor) parameters and their gradients are
+    the same on every rank (titanlite's DDP replicas), or None."""
+
+
+@dataclass(frozen=True)
 class OptimizerEntry:
     """One optimizer of the registry."""
 
     module: str
-    """Provides ``build(groups, settings, device)``."""
+    """Provides ``build(groups, settings, context)``."""
     default_rules: tuple[ParamGroupRule, ...]
     """The parameter groups when optimizer.param_groups is empty."""
+    hosts: tuple[str, ...] = ()
+    """Other entries whose groups this optimizer also steps (in one torch optimizer)."""
+    matrices_only: bool = False
+    """Takes only parameters of 2 or more dimensions (a rule giving it a vector is an error)."""
 
     def implementation(self) -> ModuleType:
         return importlib.import_module(self.module)
@@ -44,6 +64,23 @@ REGISTRY: dict[str, OptimizerEntry] = {
             ParamGroupRule(dims="matrix", name="decay"),
             ParamGroupRule(weight_decay=0.0, name="no_decay"),
         ),
+    ),
+    "muon": OptimizerEntry(
+        module="titanlite.optim.muon",
+        # Muon orthogonalizes the hidden matrices (attention, MLPs, each expert); what is not
+        # a linear map between hidden states (embeddings, the output projection, routers)
+        # and every vector go to AdamW at the same lr (match_rms_adamw makes one lr fit both).
+        default_rules=(
+            ParamGroupRule(
+                params="tok_embeddings.*, output.*, *.router.*", optimizer="adamw", name="adamw"
+            ),
+            ParamGroupRule(
+                dims="vector", optimizer="adamw", weight_decay=0.0, name="adamw_no_decay"
+            ),
+            ParamGroupRule(dims="matrix", name="muon"),
+        ),
+        hosts=("adamw",),
+        matrices_only=True,
     ),
 }
 

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titanlite import optim
-from titanlite.config.job_config import LRScheduler, Optimizer
+from titanlite.config.job_config import LRScheduler, Muon, Optimizer
 from titanlite.errors import UserError
 from titanlite.optim.rules import ParamGroupRule
 from titanlite.optim.schedule import build_lr_scheduler
@@ -85,6 +85,12 @@ def resolve_groups(
             continue
         for rule, group in zip(rules, groups, strict=True):
             if _matches(rule, name, param):
+                if param.ndim < 2 and optim.get(group.optimizer).matrices_only:
+                    raise UserError(
+                        f"optimizer.param_groups: rule {group.name!r} gives {name} (shape "
+                        f"{tuple(param.shape)}) to {group.optimizer}, which takes matrices "
+                        f'only; add dims = "matrix" to the rule or give it to adamw'
+                    )
                 group.params.append(param)
                 group.names.append(name)
                 break
@@ -96,17 +102,38 @@ def resolve_groups(
     return [g for g in groups if g.params]
 
 
+def _host(kinds: Sequence[str], main: str) -> str:
+    """The registry entry whose optimizer steps every group: the only kind named, or one
+    that hosts all the others (Muon hosts AdamW), preferring optimizer.name."""
+    if len(kinds) <= 1:
+        return kinds[0] if kinds else main
+    for kind in sorted(kinds, key=lambda k: k != main):
+        if set(kinds) - {kind} <= set(optim.get(kind).hosts):
+            return kind
+    hosting = [f"{k} (with {', '.join(e.hosts)})" for k, e in optim.REGISTRY.items() if e.hosts]
+    raise UserError(
+        f"optimizer.param_groups: the rules name {', '.join(kinds)}, which no optimizer "
+        f"steps together; a part may mix only {'; '.join(hosting) or 'nothing'}"
+    )
+
+
 def build_optimizer(
-    model: nn.Module, settings: Optimizer, device: torch.device
+    model: nn.Module,
+    settings: Optimizer,
+    device: torch.device,
+    *,
+    muon: Muon | None = None,
+    replica_group: Any = None,
 ) -> tuple[torch.optim.Optimizer, list[ParamGroup]]:
-    """The optimizer of one model part (a whole model, or a pipeline stage) and its groups."""
+    """The optimizer of one model part (a whole model, or a pipeline stage) and its groups.
+
+    ``muon`` is the [muon] section (default: its defaults); ``replica_group`` the group over
+    which plain parameters are replicated (titanlite's DDP), for optimizers that split their
+    work over it (Muon).
+    """
     groups = resolve_groups(model, settings)
     kinds = sorted({g.optimizer for g in groups})
-    if len(kinds) > 1:
-        raise UserError(
-            f"optimizer.param_groups: the rules name {', '.join(kinds)}; one run takes one "
-            "optimizer for now"
-        )
+    host = _host(kinds, settings.name.lower())
     torch_groups = []
     for group in groups:
         # Fused and foreach kernels take DTensors or plain tensors, not both in one call:
@@ -116,11 +143,12 @@ def build_optimizer(
         distributed = [p for p in group.params if isinstance(p, DTensor)]
         for params in (plain, distributed):
             if params:
-                torch_groups.append(
-                    {"params": params, "lr": group.lr, "weight_decay": group.weight_decay}
-                )
-    entry = optim.get(kinds[0] if kinds else settings.name)
-    return entry.implementation().build(torch_groups, settings, device), groups
+                torch_groups.append({
+                    "params": params, "lr": group.lr, "weight_decay": group.weight_decay,
+                    "optimizer": group.optimizer,
+                })  # fmt: skip
+    context = optim.BuildContext(device, muon or Muon(), replica_group)
+    return optim.get(host).implementation().build(torch_groups, settings, context), groups
 
 
 def build_optimizers(
@@ -130,12 +158,17 @@ def build_optimizers(
     *,
     total_steps: int,
     device: torch.device,
+    muon: Muon | None = None,
+    replica_group: Any = None,
 ) -> tuple[list[torch.optim.Optimizer], list[torch.optim.lr_scheduler.LambdaLR], list[ParamGroup]]:
     """One optimizer and learning-rate schedule per model part (the whole model, or each
-    pipeline stage of this rank), and the groups of all of them (logged)."""
+    pipeline stage of this rank), and the groups of all of them (logged); ``muon`` and
+    ``replica_group`` as for build_optimizer."""
     optimizers, groups = [], []
     for part in parts:
-        optimizer, part_groups = build_optimizer(part, settings, device)
+        optimizer, part_groups = build_optimizer(
+            part, settings, device, muon=muon, replica_group=replica_group
+        )
         optimizers.append(optimizer)
         groups += part_groups
     log_groups(groups)

@@ -1,0 +1,349 @@
+"""Muon's orthogonalization on whole matrices under every layout, each matrix done once.
+
+Newton-Schulz needs the whole matrix: its result is not the concatenation of its shards'
+results. How a parameter is stored decides how its update gets there and back (a plan per
+parameter, made at its first step):
+
+  local       the rank holds whole matrices: one process, a pipeline stage's own weights,
+              expert stacks split by expert (expert parallelism, FSDP by whole experts),
+              or weights that are the same on every rank without a replica group
+  replicated  plain weights the same on every rank of a replica group (titanlite's DDP):
+              each matrix is orthogonalized by its owner in the group and broadcast
+  sharded     a DTensor split along one of its matrix dims by one mesh dim (FSDP, HSDP,
+              TP alone): the owner (the least loaded of that dim's ranks) gathers the shards,
+              orthogonalizes, and scatters the result's shards back
+  gathered    a DTensor split along both matrix dims or by two mesh dims (FSDP x TP,
+              FSDP's strided rows included): the same gather to an owner (the least loaded
+              of the whole mesh) and scatter back, one mesh dim at a time over the groups the
+              mesh already has, each rank's piece padded to the largest; the owner places
+              the pieces by their global indices (computed once, as DTensor splits)
+
+So each matrix's Newton-Schulz runs on exactly one rank of the ranks that hold it, and the
+work per rank falls with the number of those ranks. docs/muon.md counts the bytes per layout.
+Owners are chosen greedily, largest matrix first (then in parameter order), as the holder
+with the least Newton-Schulz work so far (ties to the lowest rank): for matrices of one size
+that is round-robin; for mixed sizes it keeps the busiest rank near the even share. Every
+rank of a group sees its parameters in the same order and shapes, so the owners and the
+order of collectives agree without any exchange.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+logger = logging.getLogger(__name__)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank stores: a DTensor's local shard, else the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+@dataclass
+class Plan:
+    """How one parameter's update reaches whole matrices and comes back."""
+
+    kind: str
+    """local, replicated, sharded or gathered (see the module's docstring)."""
+    group: dist.ProcessGroup | None = None
+    owner: int = 0
+    """The group rank that orthogonalizes."""
+    is_owner: bool = True
+    dim: int = 0
+    """sharded: the tensor dim split over the group."""
+    sizes: list[int] = field(default_factory=list)
+    """sharded: every group rank's length along ``dim``."""
+    mesh: DeviceMesh | None = None
+    placements: tuple[Placement, ...] = ()
+    owner_coordinate: tuple[int, ...] = ()
+    """gathered: the owner's coordinate on the mesh."""
+    counts: list[int] = field(default_factory=list)
+    """gathered: every mesh rank's number of elements (mesh coordinates in row-major order)."""
+    index: torch.Tensor | None = None
+    """gathered, on the owner: the global flat index of every rank's elements, in that
+    order."""
+
+
+class Orthogonalizer:
+    """``orthogonalizer(pairs)``: for (parameter, local update) pairs, each rank's local share
+    of the orthogonalized updates. ``newton_schulz`` maps a whole matrix (or a stack) to its
+    orthogonal factor; ``replica_group`` is the group over which plain parameters are
+    replicated (None: plain parameters are orthogonalized where they are)."""
+
+    def __init__(
+        self,
+        newton_schulz: Callable[[torch.Tensor], torch.Tensor],
+        replica_group: dist.ProcessGroup | None = None,
+    ):
+        self.newton_schulz = newton_schulz
+        self.replica_group = replica_group
+        self.plans: dict[int, Plan] = {}
+        self._load: dict[tuple[int, ...], list[float]] = {}  # per set of ranks: work so far
+        self._counts: dict[tuple, list[int]] = {}  # gathered plans' piece sizes, by layout
+
+    def __call__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        first = not self.plans
+        # Owners are picked largest matrix first (then in parameter order): the greedy
+        # choice then leaves the busiest rank within one small matrix of the even share.
+        for p, _ in sorted(pairs, key=lambda pair: -newton_schulz_flops(pair[0].shape)):
+            self.plan(p)
+        plans = [self.plan(p) for p, _ in pairs]
+        if first and plans:
+            kinds = Counter(plan.kind for plan in plans)
+            logger.info(
+                "muon: %d matrices (%s); this rank orthogonalizes %d of them",
+                len(plans), ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())),
+                sum(plan.is_owner for plan in plans),
+            )  # fmt: skip
+        updates = [u for _, u in pairs]
+        # 1. Whole matrices to their owners (asynchronous, all at once).
+        whole: list[torch.Tensor | None] = [None] * len(pairs)
+        pending: list[tuple[int, list[torch.Tensor], dist.Work]] = []
+        for i, (plan, update) in enumerate(zip(plans, updates, strict=True)):
+            if plan.kind == "gathered":
+                whole[i] = _gather_over_mesh(update, plan, pairs[i][0].shape)
+            elif plan.kind == "sharded":
+                chunk = max(plan.sizes)
+                parts = [_pad(update, plan.dim, chunk)]
+                if plan.is_owner:
+                    parts += [torch.empty_like(parts[0]) for _ in plan.sizes]
+                work = dist.gather(
+                    parts[0], parts[1:] if plan.is_owner else None, group=plan.group,
+                    group_dst=plan.owner, async_op=True,
+                )  # fmt: skip
+                pending.append((i, parts[1:], work))
+            elif plan.is_owner:
+                whole[i] = update
+        for i, parts, work in pending:
+            work.wait()
+            plan = plans[i]
+            if plan.is_owner:
+                shards = [p.narrow(plan.dim, 0, n) for p, n in zip(parts, plan.sizes, strict=True)]
+                whole[i] = torch.cat(shards, dim=plan.dim)
+        # 2. Each owner orthogonalizes its matrices.
+        result = [None if w is None else self.newton_schulz(w) for w in whole]
+        # 3. Results back to every rank that holds a part of them.
+        out: list[torch.Tensor | None] = [None] * len(pairs)
+        waits: list[tuple[int, torch.Tensor, dist.Work]] = []
+        for i, (plan, update) in enumerate(zip(plans, updates, strict=True)):
+            ortho = result[i]
+            if plan.kind == "local":
+                out[i] = ortho
+            elif plan.kind == "sharded":
+                chunk = max(plan.sizes)
+                buf = update.new_empty(_padded_shape(update, plan.dim, chunk))
+                chunks = None
+                if plan.is_owner:
+                    chunks = [_pad(c, plan.dim, chunk) for c in _split(ortho, plan)]
+                work = dist.scatter(
+                    buf, chunks, group=plan.group, group_src=plan.owner, async_op=True
+                )
+                waits.append((i, buf, work))
+            elif plan.kind == "replicated":
+                buf = ortho.contiguous() if plan.is_owner else torch.empty_like(update)
+                work = dist.broadcast(buf, group=plan.group, group_src=plan.owner, async_op=True)
+                waits.append((i, buf, work))
+        for i, buf, work in waits:
+            work.wait()
+            plan = plans[i]
+            if plan.kind == "sharded":
+                out[i] = buf.narrow(plan.dim, 0, updates[i].shape[plan.dim])
+            else:
+                out[i] = buf
+        for i, plan in enumerate(plans):
+            if plan.kind == "gathered":
+                out[i] = _scatter_over_mesh(result[i], updates[i], plan)
+        return out  # type: ignore[return-value]
+
+    def plan(self, param: torch.Tensor) -> Plan:
+        """The plan of ``param`` (made once; its owner the least loaded of its holders)."""
+        key = id(param)
+        if key not in self.plans:
+            self.plans[key] = self._make_plan(param)
+        return self.plans[key]
+
+    def _next(self, ranks: tuple[int, ...], shape: torch.Size) -> int:
+        """The owner (an index into ``ranks``) of the next matrix those ranks hold: the one
+        with the least Newton-Schulz work so far, the lowest on a tie."""
+        load = self._load.setdefault(ranks, [0.0] * len(ranks))
+        owner = min(range(len(ranks)), key=lambda r: (load[r], r))
+        load[owner] += newton_schulz_flops(shape)
+        return owner
+
+    def _assign(self, plan: Plan, group: dist.ProcessGroup, shape: torch.Size) -> Plan:
+        plan.group = group
+        plan.owner = self._next(tuple(dist.get_process_group_ranks(group)), shape)
+        plan.is_owner = dist.get_rank(group) == plan.owner
+        return plan
+
+    def _make_plan(self, param: torch.Tensor) -> Plan:
+        if not isinstance(param, DTensor):
+            group = self.replica_group
+            if group is None or dist.get_world_size(group) == 1:
+                return Plan("local")
+            return self._assign(Plan("replicated"), group, param.shape)
+        mesh, placements = param.device_mesh, tuple(param.placements)
+        matrix_dims = {param.ndim - 2, param.ndim - 1}
+        # FSDP over TP's shards splits with _StridedShard, which is not a Shard.
+        on_matrix = [
+            (i, p)
+            for i, p in enumerate(placements)
+            if isinstance(p, Shard | _StridedShard)
+            and mesh.size(i) > 1
+            and _dim(p, param.ndim) in matrix_dims
+        ]
+        if not on_matrix:  # split by expert only: each rank holds whole matrices
+            return Plan("local")
+        if len(on_matrix) == 1 and type(on_matrix[0][1]) is Shard:
+            mesh_dim, placement = on_matrix[0]
+            dim = _dim(placement, param.ndim)
+            n, ranks = param.shape[dim], mesh.size(mesh_dim)
+            chunk = math.ceil(n / ranks)
+            sizes = [max(0, min(chunk, n - r * chunk)) for r in range(ranks)]
+            plan = Plan("sharded", dim=dim, sizes=sizes)
+            return self._assign(plan, mesh.get_group(mesh_dim), param.shape)
+        owner = self._next(tuple(mesh.mesh.flatten().tolist()), param.shape)
+        coordinate = mesh.get_coordinate()
+        assert coordinate is not None  # a parameter lives on the meshes of its ranks
+        coordinates = list(itertools.product(*(range(n) for n in mesh.shape)))
+        # Every rank's piece of the whole, as distribute_tensor cuts it; sizes from a meta
+        # tensor (no memory), global indices only on the owner.
+        key = (tuple(param.shape), mesh.shape, placements)
+        if key not in self._counts:
+            meta = torch.empty(param.shape, device="meta")
+            self._counts[key] = [
+                _piece(meta, mesh.shape, placements, c).numel() for c in coordinates
+            ]
+        counts = self._counts[key]
+        plan = Plan(
+            "gathered", mesh=mesh, placements=placements, owner_coordinate=coordinates[owner],
+            is_owner=tuple(coordinate) == coordinates[owner], counts=counts,
+        )  # fmt: skip
+        if plan.is_owner:
+            flat = torch.arange(param.numel(), device=param.device).view(param.shape)
+            pieces = [_piece(flat, mesh.shape, placements, c).reshape(-1) for c in coordinates]
+            plan.index = torch.cat(pieces)
+        return plan
+
+
+def newton_schulz_flops(shape: torch.Size | tuple[int, ...]) -> float:
+    """FLOPs of one Newton-Schulz iteration on a matrix of ``shape`` (or a stack of them):
+    X X^T, its square and the product with X, on the wide orientation (m <= n)."""
+    m, n = sorted(shape[-2:])
+    return math.prod(shape[:-2]) * (4 * m * m * n + 2 * m**3)
+
+
+def _piece(
+    tensor: torch.Tensor, mesh_shape: tuple[int, ...], placements: tuple[Placement, ...],
+    coordinate: tuple[int, ...],
+) -> torch.Tensor:  # fmt: skip
+    """The part of ``tensor`` the rank at ``coordinate`` holds, cut as distribute_tensor
+    cuts it (mesh dim by mesh dim, through the placements' own split)."""
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, Shard | _StridedShard):
+            pieces, _ = placement._split_tensor(
+                tensor, mesh_shape[mesh_dim], with_padding=False, contiguous=False
+            )
+            tensor = pieces[coordinate[mesh_dim]]
+    return tensor
+
+
+def _participates(coordinate: Sequence[int], owner: Sequence[int], mesh_dim: int) -> bool:
+    """Whether a rank takes part in the hop along ``mesh_dim``: it agrees with the owner on
+    every inner dim (the hops along those gathered its data there, or will scatter it from
+    there)."""
+    return all(coordinate[d] == owner[d] for d in range(mesh_dim + 1, len(owner)))
+
+
+def _gather_over_mesh(update: torch.Tensor, plan: Plan, shape: torch.Size) -> torch.Tensor | None:
+    """The whole matrix on the owner (None elsewhere): every rank's piece, padded to the
+    largest, gathered along the innermost mesh dim to the rank in line with the owner, then
+    those along the next dim, and so on out to the owner."""
+    mesh, owner = plan.mesh, plan.owner_coordinate
+    assert mesh is not None
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None
+    slot = max(plan.counts)
+    buf = update.new_zeros(slot)
+    buf[: update.numel()] = update.reshape(-1)
+    for mesh_dim in reversed(range(mesh.ndim)):
+        if not _participates(coordinate, owner, mesh_dim):
+            break
+        receiving = coordinate[mesh_dim] == owner[mesh_dim]
+        parts = [torch.empty_like(buf) for _ in range(mesh.size(mesh_dim))] if receiving else None
+        dist.gather(buf, parts, group=mesh.get_group(mesh_dim), group_dst=owner[mesh_dim])
+        if not receiving:
+            return None
+        buf = torch.cat(parts)  # type: ignore[arg-type]
+    assert plan.index is not None
+    values = torch.cat([buf[r * slot : r * slot + n] for r, n in enumerate(plan.counts)])
+    return update.new_empty(shape).view(-1).index_copy_(0, plan.index, values).view(shape)
+
+
+def _scatter_over_mesh(
+    result: torch.Tensor | None, update: torch.Tensor, plan: Plan
+) -> torch.Tensor:
+    """This rank's piece of the owner's ``result``: the gather's hops in reverse (outermost
+    mesh dim first), each scattering the padded pieces of the ranks behind it."""
+    mesh, owner = plan.mesh, plan.owner_coordinate
+    assert mesh is not None
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None
+    slot = max(plan.counts)
+    buf: torch.Tensor | None = None
+    if result is not None:
+        assert plan.index is not None
+        values = result.reshape(-1)[plan.index]
+        buf = update.new_zeros(len(plan.counts) * slot)
+        start = 0
+        for r, n in enumerate(plan.counts):
+            buf[r * slot : r * slot + n] = values[start : start + n]
+            start += n
+    for mesh_dim in range(mesh.ndim):
+        if not _participates(coordinate, owner, mesh_dim):
+            continue
+        behind = slot * math.prod(mesh.shape[mesh_dim + 1 :])
+        out = update.new_empty(behind)
+        sending = coordinate[mesh_dim] == owner[mesh_dim] and buf is not None
+        chunks = list(buf.split(behind)) if sending else None  # type: ignore[union-attr]
+        dist.scatter(out, chunks, group=mesh.get_group(mesh_dim), group_src=owner[mesh_dim])
+        buf = out
+    assert buf is not None
+    return buf[: update.numel()].view(update.shape)
+
+
+def _dim(placement: Placement, ndim: int) -> int:
+    dim = placement.dim  # type: ignore[attr-defined]
+    return dim + ndim if dim < 0 else dim
+
+
+def _padded_shape(t: torch.Tensor, dim: int, length: int) -> list[int]:
+    shape = list(t.shape)
+    shape[dim] = length
+    return shape
+
+
+def _pad(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    """``t`` zero-padded along ``dim`` to ``length`` (contiguous, as collectives need)."""
+    if t.shape[dim] == length:
+        return t.contiguous()
+    out = t.new_zeros(_padded_shape(t, dim, length))
+    out.narrow(dim, 0, t.shape[dim]).copy_(t)
+    return out
+
+
+def _split(t: torch.Tensor, plan: Plan) -> list[torch.Tensor]:
+    """``t`` cut along the plan's dim into every group rank's share (empty ones included)."""
+    starts = [sum(plan.sizes[:r]) for r in range(len(plan.sizes))]
+    return [t.narrow(plan.dim, s, n) for s, n in zip(starts, plan.sizes, strict=True)]

@@ -198,8 +198,18 @@ def baseline(baselines: dict[str, Curves]) -> Curves:
     return baselines["llama3"]
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.name.replace(" ", ""))
+# Every layout for both families, but the 8-rank one for Llama only: Qwen3's own pieces (q/k
+# norms, tied embeddings, its head size) meet each mesh dimension in the 4-rank layouts.
+FAMILY_LAYOUTS = [
+    (layout, family) for layout in LAYOUTS for family in FAMILIES
+    if not (family == "qwen3" and layout.ngpu == 8)
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("layout", "family"), FAMILY_LAYOUTS,
+    ids=[f"{lay.name.replace(' ', '')}-{fam}" for lay, fam in FAMILY_LAYOUTS],
+)  # fmt: skip
 def test_layout_matches_one_process(
     layout: Layout, family: str, baselines: dict[str, Curves],
     tmp_path_factory: pytest.TempPathFactory,

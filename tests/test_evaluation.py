@@ -111,10 +111,13 @@ def eval_record(run: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> tuple[dict, str]:
+    """One process, 2 steps, its eval at step 2 and a checkpoint of that step."""
     folder = tmp_path_factory.mktemp("eval")
     tasks = f"{write_task(folder, QUESTIONS)},{write_task(folder, COMPLETIONS, 'tiny_completion')}"
-    argv = [*SMALL, "--eval.tasks", tasks, "--job.dump_folder", str(folder / "run")]
-    return get_pool(1).run(train_scenarios.train_then_score, argv=argv)[0], tasks
+    argv = [*SMALL, "--eval.tasks", tasks, "--job.dump_folder", str(folder / "run"),
+            "--checkpoint.enable", "true", "--checkpoint.interval", "2"]  # fmt: skip
+    run = get_pool(1).run(train_scenarios.train_then_score, argv=argv)[0]
+    return {**run, "checkpoint": folder / "run" / "checkpoint" / "step-2"}, tasks
 
 
 @pytest.mark.slow
@@ -146,6 +149,38 @@ LAYOUTS = {
                         "--parallelism.tensor_parallel_degree", "2",
                         "--parallelism.pipeline_parallel_schedule", "GPipe"]),
 }  # fmt: skip
+
+
+@pytest.mark.slow
+def test_scores_equal_transformers_on_the_exported_model(one_process, tmp_path) -> None:
+    """The checkpoint of the scored step, exported to Hugging Face and loaded by transformers'
+    LlamaForCausalLM: its log-likelihoods of the same rows are the evaluator's within 1e-5."""
+    transformers = pytest.importorskip("transformers")
+    import convert_to_hf
+
+    from titanlite.data import DEFAULT_TOKENIZER_PATH, load_tokenizer
+
+    run, _ = one_process
+    out = tmp_path / "hf"
+    assert convert_to_hf.main([str(run["checkpoint"]), str(out)]) == 0
+    hf = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tok = load_tokenizer(DEFAULT_TOKENIZER_PATH)
+
+    def log_likelihood(context: str, continuation: str) -> float:
+        ctx = tok.encode(context, bos=True, eos=False)
+        ids = tok.encode(continuation, bos=False, eos=False)
+        with torch.no_grad():
+            logits = hf(torch.tensor([ctx + ids])[:, :-1]).logits[0].double()
+        logp = torch.log_softmax(logits, -1)
+        return sum(float(logp[len(ctx) - 1 + i, t]) for i, t in enumerate(ids))
+
+    right = [log_likelihood(q["context"], q["choices"][q["label"]]) for q in QUESTIONS]
+    targets = [log_likelihood(c["context"], c["target"]) for c in COMPLETIONS]
+    record = eval_record(run)
+    print("relative differences:", abs(record["eval_tiny_task_ll"] / (sum(right) / len(right)) - 1),
+          abs(record["eval_tiny_completion_ll"] / (sum(targets) / len(targets)) - 1))  # fmt: skip
+    assert record["eval_tiny_task_ll"] == pytest.approx(sum(right) / len(right), rel=1e-5)
+    assert record["eval_tiny_completion_ll"] == pytest.approx(sum(targets) / len(targets), rel=1e-5)  # fmt: skip
 
 
 MEASURED: dict[str, float] = {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -277,3 +278,29 @@ def test_checkpoints_load_with_and_without_float8(tmp_path: Path) -> None:
         assert "(step 2)" in logs and "resumed from" in logs, logs[-2000:]
         assert [r["step"] for r in resumed["records"]][-2:] == [3, 4]
         assert resumed["info"]["converters"] == (["float8"] if second else [])
+
+
+@pytest.mark.slow
+def test_a_float8_run_resumes_across_layouts(one_process, tmp_path: Path) -> None:
+    """dp_shard=2 x tp=2 trains the 8 steps, saving step 4; one process resumes from that
+    step-4 and trains 5-8: the loss and grad norm of every resumed step within F8_RTOL of the
+    uninterrupted one-process run."""
+    argv = [*COMMON, *FLOAT8, *LLAMA, "--checkpoint.enable", "true", "--checkpoint.interval", "4"]
+    split = ["--parallelism.data_parallel_shard_degree", "2",
+             "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"]  # fmt: skip
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    get_pool(4).run(train_scenarios.train, argv=[*argv, *split, "--job.dump_folder", str(first)])
+    shutil.copytree(first / "checkpoint" / "step-4", resumed / "checkpoint" / "step-4")
+    pool = get_pool(1)
+    run = pool.run(
+        train_scenarios.train,
+        argv=[*argv, "--training.local_batch_size", "8", "--job.dump_folder", str(resumed)],
+    )[0]
+    assert "resumed from" in "\n".join(pool.last_logs[0])
+    assert [r["step"] for r in run["records"] if "loss" in r] == list(range(5, STEPS + 1))
+    base = curves(one_process["llama"])
+    got = {m: [r[m] for r in run["records"] if "loss" in r] for m in ("loss", "grad_norm")}
+    diff = worst({m: v[4:] for m, v in base.items()}, got)
+    MEASURED["resume dp_shard=2 x tp=2 -> 1 process"] = diff
+    (tmp_path.parent / "float8_parity.json").write_text(json.dumps(MEASURED))
+    assert all(d <= F8_RTOL for d in diff.values()), diff

@@ -62,14 +62,14 @@ class TrainingLoss:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ce = cross_entropy_sum(logits, labels)
         if self.z_loss_weight <= 0:
-            return ce, _plain(ce.detach()).reshape(1)
-        ce = _plain(ce)
+            return ce, plain(ce.detach()).reshape(1)
+        ce = plain(ce)
         z = self.z_loss_weight * z_loss_sum(logits, labels)
         return ce + z, torch.stack([ce.detach(), z.detach()])
 
 
-def _plain(value: torch.Tensor) -> torch.Tensor:
-    """A plain tensor from a possibly distributed one (a loss under loss parallel)."""
+def plain(value: torch.Tensor) -> torch.Tensor:
+    """A plain tensor from a possibly distributed one (a loss or logits under loss parallel)."""
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 

@@ -19,6 +19,7 @@ import re
 
 from titanlite.data.sources import in_validation, sotu_files
 from titanlite.downstream.tasks import Question, Task
+from titanlite.errors import UserError
 
 NAMES = ("sotu_word_order", "sotu_next_sentence")
 CONTEXT_SENTENCES = 3
@@ -40,8 +41,6 @@ def build(name: str, holdout_fraction: float, limit: int) -> Task:
     held_out = [sentences(t) for t in speeches if in_validation(t, holdout_fraction)]
     held_out = [s for s in held_out if len(s) > CONTEXT_SENTENCES]
     if len(held_out) < 2:
-        from titanlite.errors import UserError
-
         raise UserError(
             f"eval.tasks: {name} needs held-out speeches; validation.holdout_fraction "
             f"{holdout_fraction} keeps fewer than 2 of the corpus out of training"

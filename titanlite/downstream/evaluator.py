@@ -24,6 +24,7 @@ from titanlite.data.batches import IGNORE_INDEX
 from titanlite.data.tokenizer import Tokenizer
 from titanlite.downstream import builtin
 from titanlite.downstream.tasks import Task, read_task
+from titanlite.errors import UserError
 from titanlite.metrics import MetricsLogger
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.parallel_model import ParallelModel
@@ -102,7 +103,10 @@ class Evaluator:
                 ids = tokenizer.encode(choice, bos=False, eos=False)
                 room = self.seq_len + 1 - len(ids)  # a row of n tokens is n - 1 inputs
                 if room < 2:
-                    raise_choice_too_long(task, q, len(ids), self.seq_len)
+                    raise UserError(
+                        f"eval.tasks: {task.name}, question {q + 1}: a choice of {len(ids)} "
+                        f"tokens does not fit training.seq_len {self.seq_len} with any context"
+                    )
                 if len(context) > room:
                     cut += 1
                 if q % self.batch_ranks == self.batch_rank:
@@ -156,9 +160,11 @@ class Evaluator:
         for i in range(int(count)):
             batch = batches[i] if i < len(batches) else []
             inputs, labels = self._tensors(batch, device)
-            sums, misses = model.row_scores(inputs, labels)
-            for j, row in enumerate(batch):
-                scores[0, row.index], scores[1, row.index] = sums[j], misses[j]
+            if batch:
+                where = torch.tensor([row.index for row in batch], device=device)
+                scores[:, where] = model.row_scores(inputs, labels).double()
+            else:  # the padding row: the forward runs, its scores go nowhere
+                model.row_scores(inputs, labels)
         scores = distributed.all_reduce(scores, dist.ReduceOp.SUM, self.loss_group)
         return scores[0].tolist(), [int(m) for m in scores[1].tolist()]
 
@@ -199,12 +205,3 @@ def right_log_likelihood(task: Task, log_likelihoods: list[float]) -> float:
         total += log_likelihoods[at + q.label]
         at += len(q.choices)
     return total / len(task.questions)
-
-
-def raise_choice_too_long(task: Task, question: int, tokens: int, seq_len: int) -> None:
-    from titanlite.errors import UserError
-
-    raise UserError(
-        f"eval.tasks: {task.name}, question {question + 1}: a choice of {tokens} tokens does "
-        f"not fit training.seq_len {seq_len} with any context"
-    )

@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titanlite.data.batches import IGNORE_INDEX
+from titanlite.loss import plain
 from titanlite.parallel.context import ContextParallel
 from titanlite.parallel.ddp import BucketedDDP
 from titanlite.parallel.ddp_support import all_reduce_after_backward, local_tensor
@@ -109,20 +109,17 @@ class ParallelModel:
                 return self.pipeline.evaluate(inputs, labels)
             return self.loss_sum(self(inputs), self.local_labels(labels))[1][0]
 
-    def row_scores(
-        self, inputs: torch.Tensor, labels: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward only, per row [batch]: the summed loss over this rank's target tokens, and
-        how many of them are not the model's most likely token there (0 for every token of a
-        row: greedy decoding would produce its targets). This rank's context chunks under CP:
-        add both up over the loss group. Under PP the same on every stage."""
+    def row_scores(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward only, [2, batch]: per row, the summed loss over this rank's target tokens,
+        and how many of them are not the model's most likely token there (0 for every token
+        of a row: greedy decoding would produce its targets). This rank's context chunks under
+        CP: add both up over the loss group. Under PP the same on every stage."""
         with self._train_context():
             if self.pipeline is not None:
-                sums, misses = self.pipeline.forward_only(
+                return self.pipeline.forward_only(
                     inputs, labels, _row_scores, width=2, per_row=True
                 )
-                return sums, misses
-            return tuple(_row_scores(self(inputs), self.local_labels(labels)))
+            return _row_scores(self(inputs), self.local_labels(labels))
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits of this rank's tokens from whole sequences [batch, seq] of ids: under
@@ -194,11 +191,6 @@ class ParallelModel:
             module.train(mode)
 
 
-def _full(value: torch.Tensor) -> torch.Tensor:
-    """A plain tensor from a possibly distributed one (logits under loss parallel)."""
-    return value.full_tensor() if isinstance(value, DTensor) else value
-
-
 def _row_scores(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """[2, batch]: each row's summed cross-entropy and count of targets that are not the most
     likely token (under loss parallel the vocabulary is gathered for this: eval batches are
@@ -206,5 +198,5 @@ def _row_scores(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     ce = F.cross_entropy(
         logits.flatten(0, 1), labels.flatten(), reduction="none", ignore_index=IGNORE_INDEX
     )
-    misses = (_full(logits).argmax(-1) != labels) & (labels != IGNORE_INDEX)
-    return torch.stack([_full(ce).view(labels.shape).sum(1), misses.sum(1).to(ce.dtype)])
+    misses = (plain(logits).argmax(-1) != labels) & (labels != IGNORE_INDEX)
+    return torch.stack([plain(ce).view(labels.shape).sum(1), misses.sum(1).to(ce.dtype)])

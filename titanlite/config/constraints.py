@@ -42,6 +42,12 @@ def validate(cfg: JobConfig) -> None:
         parse_schedule(t.batch_size_schedule)
     except ValueError as e:
         problems.add(f"training.batch_size_schedule: {e}")
+    try:
+        for _, length in parse_schedule(t.seq_len_schedule, "SEQ_LEN"):
+            if length > t.seq_len:
+                raise ValueError(f"seq_len {length} is above training.seq_len {t.seq_len}")
+    except ValueError as e:
+        problems.add(f"training.seq_len_schedule: {e}")
     require(t.z_loss_weight >= 0, "training.z_loss_weight", "must be >= 0 (0 = off)")
     require(
         set(t.skip_spikes) <= set(SPIKE_VALUES),

@@ -188,6 +188,8 @@ class Training:
     """Dtype in which FSDP reduces gradients."""
     batch_size_schedule: list[str] = field(default_factory=list)
     """Batch-size warmup: "TOKENS:SEQUENCES" entries, each making the global batch SEQUENCES sequences until TOKENS tokens (sequences x seq_len) are trained; after the last, global_batch_size. Each a multiple of local_batch_size x data-parallel degree (it grows by accumulation). Empty = off; docs/stability.md."""
+    seq_len_schedule: list[str] = field(default_factory=list)
+    """Sequence-length warmup: "TOKENS:SEQ_LEN" entries, each making every sequence SEQ_LEN tokens until TOKENS tokens are trained; after the last, seq_len. The global batch keeps its sequences (fewer tokens per step); the loader cuts the next window where the last one ended, so no token is lost or repeated. Each at most seq_len and a multiple of 2 x cp x tp under context parallelism, else of tp; not with pipeline parallelism. Empty = off; docs/stability.md."""
     z_loss_weight: float = 0.0
     """Weight of the z-loss: this times the mean over target tokens of logsumexp(logits)^2 joins the training objective, keeping the output logits from drifting large (1e-4 is usual; 0 = off). Logged apart as z_loss; docs/stability.md."""
     skip_spikes: list[str] = field(default_factory=list)

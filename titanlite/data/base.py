@@ -37,6 +37,13 @@ class Loader(Protocol):
         it belongs to other data."""
         ...
 
+    def set_seq_len(self, seq_len: int) -> None:
+        """Cut the windows of the batches that follow to ``seq_len`` + 1 tokens (at most the
+        spec's; training.seq_len_schedule). The train split's position is counted in tokens:
+        the next window starts where the last one ended, whatever their lengths, so the
+        windows of a ramped run, put end to end, are the stream an unramped run reads."""
+        ...
+
     def describe(self) -> str:
         """One line: what is read and how far (for logs)."""
         ...

@@ -5,7 +5,8 @@ epoch) are tokenized as BOS ... EOS, concatenated, and cut into non-overlapping 
 seq_len + 1 tokens. Windows are consumed in chunks of local_batch_size * dp_world_size; rank r
 takes windows [r * B, (r + 1) * B) of each chunk. The global batch at step s is therefore the same
 set of sequences for any data-parallel degree, and the saved position (which is global) can be
-loaded under a different degree.
+loaded under a different degree. The position is counted in tokens, so a sequence-length ramp
+(``set_seq_len``) cuts its next, shorter or longer, window where the last one ended.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class PackedLoader:
         self.dp_world_size = dp_world_size
         self.infinite = spec.infinite and split == "train"
         self.prefetch = prefetch
+        self._seq_len = spec.seq_len  # of the windows cut next (set_seq_len)
         self._documents: Documents = open_documents(spec)
         # training.split_by_rank: this rank reads its own shards as a stream of its own, so a
         # chunk is its local batch alone and the position is this rank's (saved per rank).
@@ -146,8 +148,14 @@ class PackedLoader:
             self._reset()
         return self
 
+    def set_seq_len(self, seq_len: int) -> None:
+        """Windows of ``seq_len`` + 1 tokens from the next batch on (see ``Loader``)."""
+        if not 1 <= seq_len <= self.spec.seq_len:
+            raise ValueError(f"seq_len must be in [1, {self.spec.seq_len}], got {seq_len}")
+        self._seq_len = seq_len
+
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        window = self.spec.seq_len + 1
+        window = self._seq_len + 1
         chunk = self.spec.local_batch_size * self._chunk_ranks
         needed = chunk * window
         while self._tokens.size < needed and not self._position.exhausted:
@@ -223,7 +231,7 @@ class PackedLoader:
         return (
             f"text {self.spec.source_name} ({self.split}"
             f"{', split by rank' if self.rank_split else ''}): epoch {self._position.epoch}, "
-            f"{self._windows_consumed:,} windows of {self.spec.seq_len + 1} tokens consumed"
+            f"{self._windows_consumed:,} windows consumed (now of {self._seq_len + 1} tokens)"
         )
 
     # -- checkpointing -----------------------------------------------------------------------

@@ -9,6 +9,11 @@ dataset receives is its own window sequence's n-th (shuffled per epoch exactly a
 folder, TokenLoader), and a rank computes its windows' datasets and positions from k alone:
 no state but the number of windows consumed, valid under any data-parallel degree. Weights are
 held as exact fractions so that every rank (and every resume) rounds identically.
+
+A sequence-length ramp (``set_seq_len``) keeps the rule and changes how long each window is:
+each dataset's own stream is read on in tokens (TokenLoader.read_span) from where its last
+window ended. The state adds where the current window length began (global windows, and each
+dataset's position in tokens there), so it stays a few integers.
 """
 
 from __future__ import annotations
@@ -126,9 +131,30 @@ class MixtureLoader(WindowCountState):
         ]
         self.interleave = Interleave([p.weight for p in parts])
         self._windows_consumed = 0
+        self._start_stage(0, [0] * len(parts), self.spec.seq_len + 1)
+
+    def _start_stage(self, windows: int, offsets: list[int], cut: int) -> None:
+        """Windows of ``cut`` tokens from global window ``windows`` on, where each dataset's
+        stream stands at ``offsets`` tokens."""
+        self._stage_start, self._stage_offsets, self._cut = windows, offsets, cut
+        self._stage_counts = self.interleave.counts(windows)
 
     def close(self) -> None:
         pass
+
+    def set_seq_len(self, seq_len: int) -> None:
+        """Windows of ``seq_len`` + 1 tokens from the next batch on (see ``Loader``)."""
+        if not 1 <= seq_len <= self.spec.seq_len:
+            raise ValueError(f"seq_len must be in [1, {self.spec.seq_len}], got {seq_len}")
+        if seq_len + 1 != self._cut:
+            now = self.interleave.counts(self._windows_consumed)
+            offsets = [
+                offset + (count - before) * self._cut
+                for offset, count, before in zip(
+                    self._stage_offsets, now, self._stage_counts, strict=True
+                )
+            ]
+            self._start_stage(self._windows_consumed, offsets, seq_len + 1)
 
     def __iter__(self) -> MixtureLoader:
         return self
@@ -139,7 +165,8 @@ class MixtureLoader(WindowCountState):
         rows = []
         for k in range(first, first + b):
             part, n = self.interleave.locate(k)
-            rows.append(self.sources[part].read_window(n))
+            at = self._stage_offsets[part] + (n - self._stage_counts[part]) * self._cut
+            rows.append(self.sources[part].read_span(at, self._cut))
         self._windows_consumed += self.chunk
         mine = torch.from_numpy(np.stack(rows))
         return mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
@@ -163,6 +190,20 @@ class MixtureLoader(WindowCountState):
         k = max(self._windows_consumed, 1)
         counts = self.interleave.counts(self._windows_consumed)
         return {p.name: c / k for p, c in zip(self.parts, counts, strict=True)}
+
+    def _counts(self) -> dict[str, Any]:
+        return {
+            "stage_start": self._stage_start,
+            "stage_offsets": list(self._stage_offsets),
+            "stage_window": self._cut,
+        }
+
+    def _load_counts(self, state: dict[str, Any]) -> None:
+        self._start_stage(  # format 1: no ramp, one stage from the start
+            int(state.get("stage_start", 0)),
+            [int(o) for o in state.get("stage_offsets", [0] * len(self.parts))],
+            int(state.get("stage_window", self.spec.seq_len + 1)),
+        )
 
     def _identity(self) -> dict[str, Any]:
         return {

@@ -6,8 +6,12 @@ permutation is a seeded Feistel network over the window numbers (a bijection com
 index: no O(W) array). A step takes the next local_batch_size * dp windows and rank r reads
 only its own local_batch_size of them from the memory-mapped shards, so a rank's cost per
 batch does not depend on the data-parallel degree or the dataset's size. The saved position
-is one integer (windows consumed), valid under any data-parallel degree. Validation reads the
-windows in order, one finite pass, the partial end padded as in the text loader.
+is one integer, valid under any data-parallel degree: the tokens consumed of the train
+stream, which is those windows end to end. Under a sequence-length ramp (``set_seq_len``) a
+shorter window is the next tokens of that stream (a piece of one window, or the end of one
+and the start of the next), so the ramped run reads exactly the tokens an unramped one does.
+Validation reads the windows in order, one finite pass, the partial end padded as in the
+text loader.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ from titanlite.errors import UserError
 
 logger = logging.getLogger(__name__)
 
-STATE_FORMAT = 1
+STATE_FORMAT = 2
+"""2: the position in tokens (``tokens_consumed``; a mixture also its stage's start). 1 (still
+loaded): windows of seq_len + 1 tokens consumed."""
 _ROUNDS = 4
 
 
@@ -59,8 +65,9 @@ def permute(index: np.ndarray, n: int, key: int) -> np.ndarray:
 
 
 class WindowCountState:
-    """The saved position of a loader whose batches follow from the number of global windows
-    consumed alone: that count plus the loader's ``_identity()``, which must match on resume."""
+    """The saved position of a loader whose batches follow from a few counts alone (global
+    windows consumed, and what ``_counts`` adds) plus the loader's ``_identity()``, which must
+    match on resume."""
 
     _windows_consumed: int
     _resume_hint = "the same data"
@@ -68,11 +75,18 @@ class WindowCountState:
     def _identity(self) -> dict[str, Any]:
         raise NotImplementedError
 
+    def _counts(self) -> dict[str, Any]:
+        return {}
+
+    def _load_counts(self, state: dict[str, Any]) -> None:
+        """The counts of ``_counts`` from ``state`` (after windows_consumed is set)."""
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "format": STATE_FORMAT,
             **self._identity(),
             "windows_consumed": self._windows_consumed,
+            **self._counts(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -84,6 +98,7 @@ class WindowCountState:
                     "new run"
                 )
         self._windows_consumed = int(state["windows_consumed"])
+        self._load_counts(state)
 
 
 class TokenLoader(WindowCountState):
@@ -132,14 +147,22 @@ class TokenLoader(WindowCountState):
         self.infinite = spec.infinite and split == "train"
         pad = tokenizer.pad_id if tokenizer.pad_id >= 0 else max(tokenizer.eos_id, 0)
         self._input_pad_id = pad
-        self._windows_consumed = 0
+        self._windows_consumed = 0  # global windows handed out, of any length
+        self._tokens_consumed = 0  # of the stream, by all ranks together: the position
+        self._cut = self.window  # tokens of the windows cut next (set_seq_len)
 
     def close(self) -> None:
         pass
 
+    def set_seq_len(self, seq_len: int) -> None:
+        """Windows of ``seq_len`` + 1 tokens from the next batch on (see ``Loader``)."""
+        if not 1 <= seq_len <= self.spec.seq_len:
+            raise ValueError(f"seq_len must be in [1, {self.spec.seq_len}], got {seq_len}")
+        self._cut = seq_len + 1
+
     def __iter__(self) -> TokenLoader:
         if self.split == "validation":
-            self._windows_consumed = 0
+            self._windows_consumed = self._tokens_consumed = 0
         return self
 
     def _window_ids(self, k: np.ndarray) -> np.ndarray:
@@ -156,39 +179,54 @@ class TokenLoader(WindowCountState):
         return out
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        b = self.spec.local_batch_size
-        start = self._windows_consumed
-        end_of_pass = start + self.chunk > self.num_windows
+        b, cut, start = self.spec.local_batch_size, self._cut, self._tokens_consumed
+        end_of_pass = start + self.chunk * cut > self.num_windows * self.window
         if end_of_pass and not self.infinite:
-            if self.split == "validation" and start * self.window < self.folder.num_tokens - 1:
+            if self.split == "validation" and start < self.folder.num_tokens - 1:
                 return self._last_padded_batch()
             raise StopIteration
-        first = start + self.dp_rank * b
-        rows = [self.read_window(k) for k in range(first, first + b)]
+        first = start + self.dp_rank * b * cut
+        rows = [self.read_span(first + i * cut, cut) for i in range(b)]
         self._windows_consumed += self.chunk
+        self._tokens_consumed += self.chunk * cut
         mine = torch.from_numpy(np.stack(rows))
         return mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
 
-    def read_window(self, k: int) -> np.ndarray:
-        """The seq_len + 1 tokens of window ``k`` of this split (see ``_window_ids``)."""
-        (w,) = self._window_ids(np.array([k], dtype=np.int64))
-        return self.folder.read(int(w) * self.window, self.window)
+    def read_span(self, start: int, count: int) -> np.ndarray:
+        """Tokens ``[start, start + count)`` of this split's stream: its windows of seq_len + 1
+        tokens end to end, in the order of ``_window_ids`` (shuffled per epoch for train)."""
+        w = self.window
+        first, last = start // w, (start + count - 1) // w
+        ids = self._window_ids(np.arange(first, last + 1, dtype=np.int64))
+        pieces = []
+        for k, window in enumerate(ids.tolist(), start=first):
+            begin, end = max(start, k * w), min(start + count, (k + 1) * w)
+            pieces.append(self.folder.read(window * w + begin - k * w, end - begin))
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
     def _last_padded_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        begin = self._windows_consumed * self.window
+        begin = self._tokens_consumed
         rest = torch.from_numpy(self.folder.read(begin, self.folder.num_tokens - begin))
-        self._windows_consumed = self.num_windows + self.chunk  # the pass is over
+        self._tokens_consumed = self.folder.num_tokens  # the pass is over
+        self._windows_consumed += self.chunk
         b = self.spec.local_batch_size
         mine = slice(self.dp_rank * b, (self.dp_rank + 1) * b)
         return padded_chunk(rest, self.chunk, self.window, pad_id=self._input_pad_id, rows=mine)
 
     def describe(self) -> str:
-        epoch = self._windows_consumed // max(self.num_windows, 1)
+        epoch = self._tokens_consumed // max(self.num_windows * self.window, 1)
         return (
             f"token folder {self.spec.dataset_path} ({self.split}): epoch {epoch}, "
-            f"{self._windows_consumed:,} windows of {self.window} tokens consumed "
-            f"({self.num_windows:,} per epoch)"
+            f"{self._windows_consumed:,} windows consumed (now of {self._cut} tokens; "
+            f"{self.num_windows:,} of {self.window} per epoch)"
         )
+
+    def _counts(self) -> dict[str, Any]:
+        return {"tokens_consumed": self._tokens_consumed}
+
+    def _load_counts(self, state: dict[str, Any]) -> None:
+        whole_windows = self._windows_consumed * self.window  # format 1 saved no more
+        self._tokens_consumed = int(state.get("tokens_consumed", whole_windows))
 
     def _identity(self) -> dict[str, Any]:
         return {

@@ -51,10 +51,12 @@ class MoETracker:
         self.set_global_batch(global_batch)
         self.discard()  # forwards before the first step (a pipeline's warm-up) do not count
 
-    def set_global_batch(self, sequences: int) -> None:
-        """The global batch of the coming step (batch-size warmup changes it): the losses are
-        means over its sequences (balancing) and tokens (router z-loss)."""
-        self.global_batch, self.global_tokens = sequences, sequences * self.seq_len
+    def set_global_batch(self, sequences: int, seq_len: int | None = None) -> None:
+        """The global batch of the coming step (batch-size and sequence-length warmup change
+        it: ``seq_len`` tokens a sequence, default the run's): the losses are means over its
+        sequences (balancing) and tokens (router z-loss)."""
+        self.global_batch = sequences
+        self.global_tokens = sequences * (seq_len or self.seq_len)
         for m in self.layers:
             m.aux_weight = self.grad_weight / self.global_batch
             m.router_z_weight = self.grad_weight / self.global_tokens

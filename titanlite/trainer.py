@@ -69,7 +69,7 @@ class Trainer:
         degrees = resolve_degrees(cfg, self.dist.world_size)
         self.accum_steps = gradient_accumulation_steps(cfg, degrees)
         self.global_batch = global_batch_size(cfg, degrees)
-        self.ramp = BatchRamp.of(cfg, degrees)  # training.batch_size_schedule
+        self.ramp = BatchRamp.of(cfg, degrees)  # training.batch_size_schedule, seq_len_schedule
         self.dims = ParallelDims(degrees, self.device.type)
         self.cp = degrees.cp
         if t.deterministic:
@@ -190,7 +190,7 @@ class Trainer:
                     step = self.state.step
                     self.heartbeat.beat(step)
                     t0 = time.perf_counter()
-                    batches = [next(self.train_iter) for _ in range(self.ramp.micro_batches(step))]
+                    batches = self.ramp.take(step, self.train_iter, self.data.loader)
                     self.step_logger.waited_for_data(time.perf_counter() - t0)
                     log = step == first_step or step % cfg.metrics.log_freq == 0 or step == total
                     with self.step_logger.sync_check():
@@ -255,7 +255,7 @@ class Trainer:
         local_tokens = sum((self.model.local_labels(y) != IGNORE_INDEX).sum() for _, y in batches)
         loss_group = self.dims.group("loss")
         if self.moe is not None:  # its losses are means over this step's global batch
-            self.moe.set_global_batch(len(batches) * self.ramp.micro)
+            self.moe.set_global_batch(len(batches) * self.ramp.micro, batches[0][1].shape[1])
         # non_blocking: a blocking copy from the host waits for the stream (seen on an H100).
         tokens = torch.as_tensor(local_tokens).to(self.device, non_blocking=True)
         n_tokens = distributed.all_reduce(tokens, dist.ReduceOp.SUM, loss_group)

@@ -78,6 +78,31 @@ def test_bad_schedules_are_one_line_config_errors(args, world, message, monkeypa
         BatchRamp.of(cfg, resolve_degrees(cfg, world))
 
 
+def test_mfu_counts_each_step_at_the_flops_of_its_length() -> None:
+    """Attention's FLOPs per token grow with the length: a shorter step costs less."""
+    from titanlite.run_info import StepLogger, StepStats, Throughput
+
+    records: list[dict] = []
+
+    class Sink:
+        def log(self, record: dict, console: str) -> None:
+            records.append(record)
+
+    def flops_at(length: int) -> float:
+        return 1000.0 + 10.0 * length
+
+    throughput = Throughput(
+        flops_at(64), torch.device("cpu"), torch.float32, 1e9, "table", flops_at
+    )
+    step_logger = StepLogger(throughput, Sink(), total_steps=2)
+    for step, length in ((1, 16), (2, 64)):
+        batch = torch.zeros(4, length, dtype=torch.long)
+        step_logger.trained([(batch, batch)], cp=2)
+        step_logger.log(StepStats(step, 1.0, 1.0, 1e-3, 0, 0))
+        record = records[-1]
+        assert record["mfu_pct"] == pytest.approx(100 * record["tps"] * flops_at(length) / 1e9)
+
+
 # --- the loaders: a ramped run reads the unramped stream, cut otherwise ---------------------------
 
 PLAN = [5, 5, 5, 11, 11, 11, 11, 16, 16, 16, 16, 16]  # each step's seq_len; the loaders' is 16

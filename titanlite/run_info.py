@@ -8,7 +8,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,15 +62,25 @@ class Throughput:
     may measure again, see ``StepLogger._checked_mfu``)."""
 
     flops_per_token: float
+    """At training.seq_len."""
     device: torch.device
     train_dtype: torch.dtype
     peak_flops: float
     peak_source: str
+    flops_at: Callable[[int], float] | None = None
+    """FLOPs per token of sequences of a given length (attention grows with it): a
+    sequence-length warmup's shorter steps cost less per token."""
 
     @classmethod
-    def of(cls, flops_per_token: float, device: torch.device, dtype: torch.dtype) -> Throughput:
+    def of(
+        cls,
+        flops_at: Callable[[int], float],
+        seq_len: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> Throughput:
         """With the device's peak from the table of known GPUs, else measured (cached)."""
-        return cls(flops_per_token, device, dtype, *peak_flops(device, dtype))
+        return cls(flops_at(seq_len), device, dtype, *peak_flops(device, dtype), flops_at)
 
 
 @dataclass
@@ -176,7 +186,7 @@ class StepLogger:
         self.warned_peak = False
         self._start = self._window_start = time.perf_counter()
         self._first_step = 1
-        self._window_tokens, self._window_data_s = 0, 0.0
+        self._window_tokens, self._window_data_s, self._window_flops = 0, 0.0, 0.0
         self.startup_fields: dict[str, object] = {}
         # TITANLITE_CUDA_SYNC_CHECK=1: report every device-to-host synchronization inside a
         # step (there should be none; values are read only at log steps). CUDA only.
@@ -192,9 +202,14 @@ class StepLogger:
     def waited_for_data(self, seconds: float) -> None:
         self._window_data_s += seconds
 
-    def trained(self, tokens: int) -> None:
-        """A step trained on ``tokens`` of this rank's tokens."""
+    def trained(self, batches: list[tuple[torch.Tensor, torch.Tensor]], cp: int = 1) -> None:
+        """A step trained on this rank's ``batches`` (under context parallelism on 1/cp of
+        each sequence), at the FLOPs per token of their length."""
+        tokens = sum(labels.numel() for _, labels in batches) // cp
+        t = self.throughput
+        per_token = t.flops_at(batches[0][1].shape[1]) if t.flops_at else t.flops_per_token
         self._window_tokens += tokens
+        self._window_flops += tokens * per_token
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -226,20 +241,21 @@ class StepLogger:
         }
         logger.info("%s", clock.summary())
 
-    def _checked_mfu(self, tps: float) -> float:
+    def _checked_mfu(self, tps: float, flops_per_token: float | None = None) -> float:
         """This step's MFU. Above 100%, the measured matmul peak must have been taken while
         other work shared the cores: it is measured again there and then (once per run; a
         second or a few, outside the tokens/s window), the cache gets the new figure, and the
         rest of the run uses it."""
         t = self.throughput
-        mfu = 100 * tps * t.flops_per_token / t.peak_flops
+        flops_per_token = flops_per_token or t.flops_per_token
+        mfu = 100 * tps * flops_per_token / t.peak_flops
         if mfu <= 100 or self.warned_peak or not t.peak_source.startswith("measured"):
             return mfu
         self.warned_peak = True
         stale = t.peak_flops
         forget_peak_flops(t.device, t.train_dtype)
         t.peak_flops, t.peak_source = peak_flops(t.device, t.train_dtype)
-        again = 100 * tps * t.flops_per_token / t.peak_flops
+        again = 100 * tps * flops_per_token / t.peak_flops
         logger.warning(
             "MFU %.0f%% is above 100%%: the cached peak of %.3g FLOP/s must have been measured "
             "while the machine was busy; measured again: %.3g FLOP/s, MFU %.0f%% (saved in %s)",
@@ -253,7 +269,7 @@ class StepLogger:
         tps = self._window_tokens / seconds
         done = stats.step - self._first_step + 1
         eta = (now - self._start) / done * (self.total_steps - stats.step)
-        mfu = self._checked_mfu(tps)
+        mfu = self._checked_mfu(tps, self._window_flops / max(self._window_tokens, 1))
         device = self.throughput.device
         record = {
             "step": stats.step,
@@ -284,3 +300,4 @@ class StepLogger:
             console += f" | moe load {stats.extra['moe_load_max_mean']:.2f}"
         self.metrics.log(record, console)
         self._window_start, self._window_tokens, self._window_data_s = time.perf_counter(), 0, 0.0
+        self._window_flops = 0.0

@@ -130,7 +130,7 @@ class Trainer:
         # 5. Outputs: run.json, metrics, validation.
         self.dump_folder = Path(cfg.job.dump_folder)
         throughput = run_info.Throughput.of(
-            self.spec.flops_per_token(self.model_args, t.seq_len),
+            lambda n: self.spec.flops_per_token(self.model_args, n), t.seq_len,
             self.device, DTYPES[t.mixed_precision_param],
         )  # fmt: skip
         if self.dist.is_main:
@@ -200,7 +200,7 @@ class Trainer:
                         heartbeat.set_timeouts(cfg.comm.timeout_seconds)
                         self.heartbeat.set_timeout(cfg.comm.timeout_seconds)
                     # This rank's tokens (under context parallelism its share of each sequence).
-                    self.step_logger.trained(sum(y.numel() for _, y in batches) // self.cp)
+                    self.step_logger.trained(batches, self.cp)
                     self.state.add_tokens(losses.n_tokens)
                     if log:  # only a logged step reduces its loss and reads values on the host
                         terms = dict(zip(self.loss.names, losses.mean().tolist(), strict=True))

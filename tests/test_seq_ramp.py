@@ -122,7 +122,7 @@ def windows(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     return torch.cat([inputs, labels[:, -1:]], dim=1)
 
 
-def read(make: Callable[[int, int], Loader], world: int, plan: list[int], state=None, start=0):
+def read(make: Callable[[int, int], Loader], world: int, plan: list[int], *, state=None, start=0):
     """The global windows of each step of ``plan[start:]`` on ``world`` ranks (``make(rank,
     world)`` builds one), resumed from ``state`` if given; and rank 0's state after each."""
     loaders = [make(rank, world) for rank in range(world)]

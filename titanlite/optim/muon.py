@@ -34,7 +34,8 @@ from titanlite.config.job_config import Muon as MuonSettings
 from titanlite.config.job_config import Optimizer
 from titanlite.optim import BuildContext
 from titanlite.optim.adamw import adamw_defaults
-from titanlite.optim.orthogonalize import Orthogonalizer, local
+from titanlite.optim.orthogonalize import Orthogonalizer
+from titanlite.optim.pieces import local
 
 
 @dataclass(frozen=True)

@@ -33,46 +33,25 @@ import itertools
 import logging
 import math
 from collections import Counter
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from titanlite.optim.pieces import (
+    Plan,
+    gather_over_mesh,
+    pad,
+    padded_shape,
+    piece,
+    placement_dim,
+    scatter_over_mesh,
+    split_by_plan,
+)
+
 logger = logging.getLogger(__name__)
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank stores: a DTensor's local shard, else the tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-@dataclass
-class Plan:
-    """How one parameter's update reaches whole matrices and comes back."""
-
-    kind: str
-    """local, replicated, sharded or gathered (see the module's docstring)."""
-    group: dist.ProcessGroup | None = None
-    owner: int = 0
-    """The group rank that orthogonalizes."""
-    is_owner: bool = True
-    dim: int = 0
-    """sharded: the tensor dim split over the group."""
-    sizes: list[int] = field(default_factory=list)
-    """sharded: every group rank's length along ``dim``."""
-    mesh: DeviceMesh | None = None
-    placements: tuple[Placement, ...] = ()
-    owner_coordinate: tuple[int, ...] = ()
-    """gathered: the owner's coordinate on the mesh."""
-    counts: list[int] = field(default_factory=list)
-    """gathered: every mesh rank's number of elements (mesh coordinates in row-major order)."""
-    index: torch.Tensor | None = None
-    """gathered, on the owner: the global flat index of every rank's elements, in that
-    order."""
 
 
 class Orthogonalizer:
@@ -112,10 +91,10 @@ class Orthogonalizer:
         pending: list[tuple[int, list[torch.Tensor], dist.Work]] = []
         for i, (plan, update) in enumerate(zip(plans, updates, strict=True)):
             if plan.kind == "gathered":
-                whole[i] = _gather_over_mesh(update, plan, pairs[i][0].shape)
+                whole[i] = gather_over_mesh(update, plan, pairs[i][0].shape)
             elif plan.kind == "sharded":
                 chunk = max(plan.sizes)
-                parts = [_pad(update, plan.dim, chunk)]
+                parts = [pad(update, plan.dim, chunk)]
                 if plan.is_owner:
                     parts += [torch.empty_like(parts[0]) for _ in plan.sizes]
                 work = dist.gather(
@@ -142,10 +121,10 @@ class Orthogonalizer:
                 out[i] = ortho
             elif plan.kind == "sharded":
                 chunk = max(plan.sizes)
-                buf = update.new_empty(_padded_shape(update, plan.dim, chunk))
+                buf = update.new_empty(padded_shape(update, plan.dim, chunk))
                 chunks = None
                 if plan.is_owner:
-                    chunks = [_pad(c, plan.dim, chunk) for c in _split(ortho, plan)]
+                    chunks = [pad(c, plan.dim, chunk) for c in split_by_plan(ortho, plan)]
                 work = dist.scatter(
                     buf, chunks, group=plan.group, group_src=plan.owner, async_op=True
                 )
@@ -163,7 +142,7 @@ class Orthogonalizer:
                 out[i] = buf
         for i, plan in enumerate(plans):
             if plan.kind == "gathered":
-                out[i] = _scatter_over_mesh(result[i], updates[i], plan)
+                out[i] = scatter_over_mesh(result[i], updates[i], plan)
         return out  # type: ignore[return-value]
 
     def plan(self, param: torch.Tensor) -> Plan:
@@ -201,13 +180,13 @@ class Orthogonalizer:
             for i, p in enumerate(placements)
             if isinstance(p, Shard | _StridedShard)
             and mesh.size(i) > 1
-            and _dim(p, param.ndim) in matrix_dims
+            and placement_dim(p, param.ndim) in matrix_dims
         ]
         if not on_matrix:  # split by expert only: each rank holds whole matrices
             return Plan("local")
         if len(on_matrix) == 1 and type(on_matrix[0][1]) is Shard:
             mesh_dim, placement = on_matrix[0]
-            dim = _dim(placement, param.ndim)
+            dim = placement_dim(placement, param.ndim)
             n, ranks = param.shape[dim], mesh.size(mesh_dim)
             chunk = math.ceil(n / ranks)
             sizes = [max(0, min(chunk, n - r * chunk)) for r in range(ranks)]
@@ -223,7 +202,7 @@ class Orthogonalizer:
         if key not in self._counts:
             meta = torch.empty(param.shape, device="meta")
             self._counts[key] = [
-                _piece(meta, mesh.shape, placements, c).numel() for c in coordinates
+                piece(meta, mesh.shape, placements, c).numel() for c in coordinates
             ]
         counts = self._counts[key]
         plan = Plan(
@@ -232,7 +211,7 @@ class Orthogonalizer:
         )  # fmt: skip
         if plan.is_owner:
             flat = torch.arange(param.numel(), device=param.device).view(param.shape)
-            pieces = [_piece(flat, mesh.shape, placements, c).reshape(-1) for c in coordinates]
+            pieces = [piece(flat, mesh.shape, placements, c).reshape(-1) for c in coordinates]
             plan.index = torch.cat(pieces)
         return plan
 
@@ -242,108 +221,3 @@ def newton_schulz_flops(shape: torch.Size | tuple[int, ...]) -> float:
     X X^T, its square and the product with X, on the wide orientation (m <= n)."""
     m, n = sorted(shape[-2:])
     return math.prod(shape[:-2]) * (4 * m * m * n + 2 * m**3)
-
-
-def _piece(
-    tensor: torch.Tensor, mesh_shape: tuple[int, ...], placements: tuple[Placement, ...],
-    coordinate: tuple[int, ...],
-) -> torch.Tensor:  # fmt: skip
-    """The part of ``tensor`` the rank at ``coordinate`` holds, cut as distribute_tensor
-    cuts it (mesh dim by mesh dim, through the placements' own split)."""
-    for mesh_dim, placement in enumerate(placements):
-        if isinstance(placement, Shard | _StridedShard):
-            pieces, _ = placement._split_tensor(
-                tensor, mesh_shape[mesh_dim], with_padding=False, contiguous=False
-            )
-            tensor = pieces[coordinate[mesh_dim]]
-    return tensor
-
-
-def _participates(coordinate: Sequence[int], owner: Sequence[int], mesh_dim: int) -> bool:
-    """Whether a rank takes part in the hop along ``mesh_dim``: it agrees with the owner on
-    every inner dim (the hops along those gathered its data there, or will scatter it from
-    there)."""
-    return all(coordinate[d] == owner[d] for d in range(mesh_dim + 1, len(owner)))
-
-
-def _gather_over_mesh(update: torch.Tensor, plan: Plan, shape: torch.Size) -> torch.Tensor | None:
-    """The whole matrix on the owner (None elsewhere): every rank's piece, padded to the
-    largest, gathered along the innermost mesh dim to the rank in line with the owner, then
-    those along the next dim, and so on out to the owner."""
-    mesh, owner = plan.mesh, plan.owner_coordinate
-    assert mesh is not None
-    coordinate = mesh.get_coordinate()
-    assert coordinate is not None
-    slot = max(plan.counts)
-    buf = update.new_zeros(slot)
-    buf[: update.numel()] = update.reshape(-1)
-    for mesh_dim in reversed(range(mesh.ndim)):
-        if not _participates(coordinate, owner, mesh_dim):
-            break
-        receiving = coordinate[mesh_dim] == owner[mesh_dim]
-        parts = [torch.empty_like(buf) for _ in range(mesh.size(mesh_dim))] if receiving else None
-        dist.gather(buf, parts, group=mesh.get_group(mesh_dim), group_dst=owner[mesh_dim])
-        if not receiving:
-            return None
-        buf = torch.cat(parts)  # type: ignore[arg-type]
-    assert plan.index is not None
-    values = torch.cat([buf[r * slot : r * slot + n] for r, n in enumerate(plan.counts)])
-    return update.new_empty(shape).view(-1).index_copy_(0, plan.index, values).view(shape)
-
-
-def _scatter_over_mesh(
-    result: torch.Tensor | None, update: torch.Tensor, plan: Plan
-) -> torch.Tensor:
-    """This rank's piece of the owner's ``result``: the gather's hops in reverse (outermost
-    mesh dim first), each scattering the padded pieces of the ranks behind it."""
-    mesh, owner = plan.mesh, plan.owner_coordinate
-    assert mesh is not None
-    coordinate = mesh.get_coordinate()
-    assert coordinate is not None
-    slot = max(plan.counts)
-    buf: torch.Tensor | None = None
-    if result is not None:
-        assert plan.index is not None
-        values = result.reshape(-1)[plan.index]
-        buf = update.new_zeros(len(plan.counts) * slot)
-        start = 0
-        for r, n in enumerate(plan.counts):
-            buf[r * slot : r * slot + n] = values[start : start + n]
-            start += n
-    for mesh_dim in range(mesh.ndim):
-        if not _participates(coordinate, owner, mesh_dim):
-            continue
-        behind = slot * math.prod(mesh.shape[mesh_dim + 1 :])
-        out = update.new_empty(behind)
-        sending = coordinate[mesh_dim] == owner[mesh_dim] and buf is not None
-        chunks = list(buf.split(behind)) if sending else None  # type: ignore[union-attr]
-        dist.scatter(out, chunks, group=mesh.get_group(mesh_dim), group_src=owner[mesh_dim])
-        buf = out
-    assert buf is not None
-    return buf[: update.numel()].view(update.shape)
-
-
-def _dim(placement: Placement, ndim: int) -> int:
-    dim = placement.dim  # type: ignore[attr-defined]
-    return dim + ndim if dim < 0 else dim
-
-
-def _padded_shape(t: torch.Tensor, dim: int, length: int) -> list[int]:
-    shape = list(t.shape)
-    shape[dim] = length
-    return shape
-
-
-def _pad(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
-    """``t`` zero-padded along ``dim`` to ``length`` (contiguous, as collectives need)."""
-    if t.shape[dim] == length:
-        return t.contiguous()
-    out = t.new_zeros(_padded_shape(t, dim, length))
-    out.narrow(dim, 0, t.shape[dim]).copy_(t)
-    return out
-
-
-def _split(t: torch.Tensor, plan: Plan) -> list[torch.Tensor]:
-    """``t`` cut along the plan's dim into every group rank's share (empty ones included)."""
-    starts = [sum(plan.sizes[:r]) for r in range(len(plan.sizes))]
-    return [t.narrow(plan.dim, s, n) for s, n in zip(starts, plan.sizes, strict=True)]

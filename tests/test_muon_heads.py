@@ -19,7 +19,8 @@ from torch import nn
 from titanlite import models
 from titanlite.checks import check
 from titanlite.config import ConfigError, load_config
-from titanlite.models.interfaces import AttentionLayer, find
+from titanlite.models.attention.kernels import max_logits
+from titanlite.models.interfaces import AttentionLayer, Mask, find
 from titanlite.optim import build_optimizer, step_metrics
 from titanlite.optim.muon import NewtonSchulz
 from titanlite.optim.orthogonalize import Orthogonalizer
@@ -134,6 +135,28 @@ def test_qk_clip_equals_a_plain_reference_in_float64(kv_heads: int) -> None:
     assert (
         all(layer.core.max_logits is None for layer in layers) and step_metrics([optimizer]) == {}
     )
+
+
+def test_max_logits_of_chunks_equal_the_masked_square_in_float64() -> None:
+    """A context-parallel rank's queries (two chunks of a 1,200-token sequence, each more
+    than one block of queries) over all keys, two documents, 2 query heads per key head: the
+    recording kernel's largest logits equal the masked full square's."""
+    torch.manual_seed(5)
+    seq, chunks = 1200, [(300, 300), (600, 300)]  # cp rank 1 of 2: chunks 1 and 2 of 4
+    positions = torch.cat([torch.arange(f, f + n) for f, n in chunks])
+    q_all = torch.randn(2, 4, seq, HEAD_DIM, dtype=torch.float64)
+    k = torch.randn(2, 2, seq, HEAD_DIM, dtype=torch.float64)
+    documents = (torch.arange(seq) >= torch.tensor([[400], [seq]])).long()  # [2, seq]
+    got = max_logits(q_all[:, :, positions], k, chunks, mask=Mask(), documents=documents)
+    logits = torch.einsum("bhqd,bhkd->bhqk", q_all, k.repeat_interleave(2, dim=1))
+    at = torch.arange(seq)
+    visible = (at[None, :] <= at[:, None]) & (documents[:, :, None] == documents[:, None, :])
+    logits = (logits / math.sqrt(HEAD_DIM)).masked_fill(~visible[:, None], -math.inf)
+    want = logits[:, :, positions].amax(dim=(0, 2, 3))
+    assert (got - want).abs().max().item() <= 1e-12
+    # Not the maxima of every query, nor those without documents: both count here.
+    assert not torch.equal(want, logits.amax(dim=(0, 2, 3)))
+    assert not torch.equal(got, max_logits(q_all[:, :, positions], k, chunks, mask=Mask()))
 
 
 def test_without_a_threshold_attention_records_nothing() -> None:

@@ -21,6 +21,9 @@ from titanlite.models.interfaces import AttentionCore, Mask
 
 LOGIT_BLOCK = 1 << 24
 """Logits computed at once by ``max_logits`` (64 MiB in float32), whatever the sequence."""
+QUERY_BLOCK = 256
+"""At most this many queries at a time: causally, a block computes only the keys up to its
+last query (about half of the square in all)."""
 
 
 def chunk_attention(
@@ -143,7 +146,7 @@ def max_logits(
     grouped = q.detach().to(wide).unflatten(1, (kv, h // kv)) / math.sqrt(d)
     keys = k.detach().to(wide)
     best = torch.full((h,), -math.inf, dtype=wide, device=q.device)
-    local, step = 0, max(1, LOGIT_BLOCK // (b * h * seq))  # queries at a time
+    local, step = 0, max(1, min(QUERY_BLOCK, LOGIT_BLOCK // (b * h * seq)))  # queries at a time
     for first, length in chunks:
         for lo in range(0, length, step):
             n = min(step, length - lo)
@@ -161,7 +164,7 @@ def max_logits(
             visible = visible.expand(b, n, end)
             if documents is not None and mask.documents:
                 visible = visible & (documents[:, None, :end] == documents[:, at, None])
-            logits = logits.masked_fill(~visible[:, None, None], -math.inf)
+            logits.masked_fill_(~visible[:, None, None], -math.inf)
             best = torch.maximum(best, logits.amax(dim=(0, 3, 4)).flatten())
         local += length
     return best

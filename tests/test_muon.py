@@ -286,6 +286,7 @@ LAYOUTS = {
 # Muon normalizes each update, so the loss is less forgiving of a wrong gradient than Adam's;
 # the gradient norm (before clipping) catches a wrong scale directly.
 RTOL = 1e-5
+CURVES = ("loss", "grad_norm", "qk_max_logit", "qk_clipped_heads")  # those a run logs
 
 
 def train(
@@ -295,7 +296,7 @@ def train(
     argv = [*model, *COMMON, "--job.dump_folder", str(folder), *args]
     run = pool.run(train_scenarios.train, argv=argv)[0]
     records = [r for r in run["records"] if "loss" in r]
-    curves = {m: [float(r[m]) for r in records] for m in ("loss", "grad_norm")}
+    curves = {m: [float(r[m]) for r in records] for m in CURVES if m in records[0]}
     curves["step"] = [r["step"] for r in records]
     groups = {g["name"]: g["optimizer"] for g in run["info"]["optimizer_groups"]}
     assert groups == {"adamw": "adamw", "adamw_no_decay": "adamw", "muon": "muon"}
@@ -310,7 +311,8 @@ def worst(base: dict, other: dict, steps: list[int]) -> dict[str, float]:
             for i, s in enumerate(other["step"])
             if s in steps
         )
-        for m in ("loss", "grad_norm")
+        for m in CURVES
+        if m in base and m != "qk_clipped_heads"
     }
 
 

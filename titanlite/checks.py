@@ -120,6 +120,11 @@ def check(cfg: JobConfig, world_size: int) -> Tokenizer | None:
                     )
             if degrees and degrees.pp > 1:
                 check_pipeline(cfg, degrees, args, problems)
+            if cfg.muon.qk_clip_threshold is not None and args.qk_norm:
+                problems.add(
+                    f"muon.qk_clip_threshold: {spec.name} normalizes each head's queries and "
+                    "keys (qk-norm), which undoes QK-clip's scaling of wq and wk; leave it unset"
+                )
             if degrees and spec.experts:
                 check_experts(cfg, degrees, problems)
                 if degrees.ep > 1 and args.num_experts % degrees.ep:

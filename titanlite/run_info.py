@@ -286,7 +286,8 @@ class StepLogger:
             "data_wait_pct": 100 * self._window_data_s / seconds,
             "time": time.time(),
             **self.startup_fields,
-            **(stats.extra or {}),  # mixture of experts: load balance, dropped tokens, aux loss
+            # Mixture of experts: load balance, dropped tokens, aux loss; QK-clip: max logits.
+            **(stats.extra or {}),
         }
         self.startup_fields = {}
         total = self.total_steps
@@ -298,6 +299,9 @@ class StepLogger:
         )
         if stats.extra and "moe_load_max_mean" in stats.extra:  # the busiest expert vs the mean
             console += f" | moe load {stats.extra['moe_load_max_mean']:.2f}"
+        if stats.extra and "qk_max_logit" in stats.extra:  # QK-clip's view of attention
+            qk = stats.extra
+            console += f" | max logit {qk['qk_max_logit']:.1f} ({qk['qk_clipped_heads']} clipped)"
         self.metrics.log(record, console)
         self._window_start, self._window_tokens, self._window_data_s = time.perf_counter(), 0, 0.0
         self._window_flops = 0.0

@@ -33,7 +33,7 @@ from titanlite.loss import StepLoss, TrainingLoss
 from titanlite.metrics import format_duration, model_state_bytes
 from titanlite.models.layers import count_params
 from titanlite.moe_tracker import MoETracker
-from titanlite.optim import build_optimizers, clip_grad_norm_
+from titanlite.optim import build_optimizers, clip_grad_norm_, step_metrics
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.parallelize import parallelize
 from titanlite.parallel.pipeline import tied_copy
@@ -119,7 +119,7 @@ class Trainer:
         replicated = degrees.dp_shard == 1 and degrees.dp_replicate * degrees.cp > 1
         self.optimizers, self.lr_schedulers, groups = build_optimizers(
             self.model.parts, cfg.optimizer, cfg.lr_scheduler, total_steps=t.steps,
-            device=self.device, muon=cfg.muon,
+            device=self.device, muon=cfg.muon, dims=self.dims, n_layers=self.model_args.n_layers,
             replica_group=self.dims.replica_group() if replicated else None,
         )  # fmt: skip
         for converter in model_converters:  # e.g. float8's FSDP scales after each step
@@ -194,7 +194,7 @@ class Trainer:
                     self.step_logger.waited_for_data(time.perf_counter() - t0)
                     log = step == first_step or step % cfg.metrics.log_freq == 0 or step == total
                     with self.step_logger.sync_check():
-                        losses, grad_norm, moe_metrics = self.train_step(batches, log)
+                        losses, grad_norm, extra = self.train_step(batches, log)
                     if step == first_step:
                         self.step_logger.startup_done(self.startup)
                         heartbeat.set_timeouts(cfg.comm.timeout_seconds)
@@ -208,7 +208,7 @@ class Trainer:
                         terms.update(finite_or_guarded(self.guard, loss, norm, step))
                         self.step_logger.log(run_info.StepStats(
                             step, loss, norm, self.last_lr, self.state.tokens_seen,
-                            sum(self.model_state.values()), {**terms, **(moe_metrics or {})},
+                            sum(self.model_state.values()), {**terms, **(extra or {})},
                         ))  # fmt: skip
                     with self.step_logger.paused():  # validation and saves are not training
                         self._after_step(step, last=step == total)
@@ -248,7 +248,7 @@ class Trainer:
         self, batches: list[tuple[torch.Tensor, torch.Tensor]], log: bool = True
     ) -> tuple[StepLoss, torch.Tensor, dict[str, float] | None]:
         """One optimizer step over the micro-batches (no update if the spike guard skips it):
-        loss terms (reduced when read), grad norm (unread) and, at ``log`` steps, MoE metrics."""
+        loss terms (reduced when read), grad norm (unread) and, at ``log`` steps, MoE/QK-clip metrics."""
         # Every rank needs the global count of target tokens before backward: the loss is a
         # sum divided by it, so accumulation, parallelism and padding never change it. It
         # stays a device tensor (no host synchronization; NCCL reduces it asynchronously).
@@ -271,8 +271,7 @@ class Trainer:
         grad_norm = clip_grad_norm_(
             self.params, self.cfg.training.max_norm, self.stage_group, self.model.norm_skip
         )
-        losses = StepLoss(loss_sums, n_tokens, loss_group)
-        step = self.state.step
+        losses, step = StepLoss(loss_sums, n_tokens, loss_group), self.state.step
         update = self.guard is None or self.guard.accept(losses.mean()[0], grad_norm, step)
         self.last_lr = self.lr_schedulers[0].get_last_lr()[0]  # the rate this step uses
         for optimizer, scheduler in zip(self.optimizers, self.lr_schedulers, strict=True):
@@ -282,12 +281,13 @@ class Trainer:
         if update and self.ema is not None:
             self.ema.update()
         # Routing biases move (when on) after an update; metrics only at log steps.
-        moe_metrics = self.moe.after_step(log=log, update=update) if self.moe else None
+        extra = self.moe.after_step(log=log, update=update) if self.moe else None
+        extra = {**(extra or {}), **step_metrics(self.optimizers)} if log else None
         if self.model_state is None or not self.model_state["optimizer"]:  # after an update
             self.model_state = model_state_bytes(self.model.parts, self.optimizers)
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
-        return losses, grad_norm, moe_metrics
+        return losses, grad_norm, extra
 
     def close(self, abandon: bool = False) -> None:
         """Finish a save in flight and close the loggers; ``abandon`` (a rank was lost):

@@ -82,6 +82,13 @@ def validate(cfg: JobConfig) -> None:
     require(0 <= mu.momentum < 1, "muon.momentum", "must be in [0, 1)")
     require(mu.ns_steps >= 1, "muon.ns_steps", "must be at least 1")
     require(mu.eps > 0, "muon.eps", "must be > 0")
+    clip = mu.qk_clip_threshold
+    require(clip is None or clip > 0, "muon.qk_clip_threshold", "must be > 0 (unset: off)")
+    if clip is not None and o.name.lower() != "muon":
+        problems.add(
+            f"muon.qk_clip_threshold: QK-clip runs in Muon's step; set optimizer.name = "
+            f'"Muon" (got {o.name!r}) or leave the threshold unset'
+        )
     require(s.warmup_steps >= 0, "lr_scheduler.warmup_steps", "must be >= 0")
     require(
         s.decay_ratio is None or 0 <= s.decay_ratio <= 1,

@@ -30,6 +30,10 @@ class Muon:
     """Scale of a matrix's step: match_rms_adamw = lr * 0.2 * sqrt(max(rows, cols)) (Moonlight: AdamW's lr and weight decay fit), original = lr * sqrt(max(1, fan_out / fan_in)), none = lr."""
     eps: float = 1e-7
     """Added to the update's Frobenius norm before the iteration divides by it."""
+    block: Literal["full", "head"] = "full"
+    """Unit the attention projections are orthogonalized in: full = the whole matrix, head = each head's rows of wq, wk, wv and columns of wo on their own (under tensor parallelism no gather; docs/muon.md)."""
+    qk_clip_threshold: float | None = None
+    """QK-clip (Kimi K2's MuonClip): after each step, scale the query and key weights of every head whose largest attention logit of the step exceeded this, down to it (unset = off; about 100 in Kimi K2; costs one extra q.k product per forward)."""
 
 
 @dataclass

@@ -24,11 +24,12 @@ import torch
 from torch import nn
 
 from titanlite.models import attention
+from titanlite.models.interfaces import AttentionLayer, Heads
 from titanlite.models.layers import ROPE_STYLES, FeedForward, RMSNorm, rope_tables
 from titanlite.models.moe import MoE
 
 
-class Attention(nn.Module):
+class Attention(AttentionLayer):
     def __init__(self, args: Any):
         super().__init__()
         self.head_dim = args.head_dim
@@ -43,6 +44,9 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.core = attention.build(args.attention)
+
+    def heads(self) -> Heads:
+        return Heads(self.head_dim, self.wq.weight, self.wk.weight, self.wv.weight, self.wo.weight)
 
     def forward(
         self, x: torch.Tensor, *, rope: torch.Tensor, documents: torch.Tensor | None = None
@@ -96,6 +100,7 @@ class Decoder(nn.Module):
         # A dict keyed by layer index keeps names stable when layers are wrapped or pruned.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
         for i, block in self.layers.items():
+            block.attention.layer_id = int(i)
             if isinstance(block.feed_forward, MoE):
                 block.feed_forward.layer_id = int(i)
         self.norm = RMSNorm(args.dim, args.norm_eps)

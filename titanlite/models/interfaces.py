@@ -1,4 +1,5 @@
-"""The interfaces the parallel layer sees of a model, besides its spec.
+"""The interfaces the parallel layer (and optimizers that work per head) see of a model,
+besides its spec.
 
 ``titanlite.parallel`` never imports a model class: it finds the attention cores and the
 routed experts of any family through these two base classes, and talks to them only through
@@ -19,6 +20,13 @@ device; the model calls through them and knows nothing of process groups:
 - ``sequence_shards`` on a module the tensor-parallel plan runs as ``local_tokens``: an
   object with ``degree`` and ``sum(tensor)`` (an all-reduce over the ranks holding the other
   shards of the same sequences), for statistics that are per whole sequence.
+- ``AttentionCore.record_max_logits``: QK-clip (``titanlite.optim.qk_clip``). While true,
+  each training forward folds the largest logit per query head it computed into the core's
+  ``max_logits``; the optimizer reduces them over ranks and resets them.
+
+Optimizers that work per head (Muon's per-head blocks, QK-clip) find the attention layers
+through a third base class, ``AttentionLayer`` (the shared decoder's ``Attention``), and their
+projections through its ``heads()``.
 """
 
 from __future__ import annotations
@@ -84,6 +92,11 @@ class AttentionCore(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.sequence_split: SequenceSplit | None = None
+        self.record_max_logits = False
+        """Fold each training forward's largest pre-softmax logit per local query head into
+        ``max_logits`` (``attend`` computes them only while this is on)."""
+        self.max_logits: torch.Tensor | None = None
+        """[local query heads]: the largest logit recorded since the owner last reset it."""
 
     def forward(
         self,
@@ -111,6 +124,32 @@ class AttentionCore(nn.Module):
         ((first position, length), in local order) over keys and values [b, h_kv, seq, d] in
         sequence order; ``documents`` [b, seq] for the whole sequence. ``masked`` forces a
         mask-based kernel where a mask-free one exists (tests compare the two)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Heads:
+    """An attention layer's projections, cut into heads: each head owns ``head_dim`` rows of
+    ``query`` ([heads * head_dim, dim]), ``key`` and ``value`` ([kv_heads * head_dim, dim];
+    key head g serves query heads g * heads / kv_heads onward) and ``head_dim`` columns of
+    ``output`` ([dim, heads * head_dim]). The weights are the parameters as stored (DTensors
+    under FSDP or TP: shapes are global)."""
+
+    head_dim: int
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    output: torch.Tensor
+
+
+class AttentionLayer(nn.Module):
+    """A block's attention: projections around an ``AttentionCore`` (``core``); ``layer_id``
+    is the index of its block in the whole model (the same in every pipeline stage)."""
+
+    core: AttentionCore
+    layer_id: int = 0
+
+    def heads(self) -> Heads:
         raise NotImplementedError
 
 

@@ -37,6 +37,13 @@ class BuildContext:
     replica_group: Any = None
     """The process group over which plain (not DTensor) parameters and their gradients are
     the same on every rank (titanlite's DDP replicas), or None."""
+    model: Any = None
+    """The model part the groups come from (its attention layers: Muon's per-head blocks,
+    QK-clip), or None."""
+    dims: Any = None
+    """The run's ParallelDims (QK-clip's reductions over ranks), or None for one process."""
+    n_layers: int = 0
+    """The whole model's blocks (a pipeline stage holds some)."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,7 @@ _TORCH_SIDE = {  # name -> the module it lives in (imported on first use: it nee
     "build_lr_scheduler": "schedule",
     "lr_factor": "schedule",
     "clip_grad_norm_": "clip",
+    "step_metrics": "qk_clip",
 }
 
 

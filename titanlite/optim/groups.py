@@ -124,12 +124,15 @@ def build_optimizer(
     *,
     muon: Muon | None = None,
     replica_group: Any = None,
+    dims: Any = None,
+    n_layers: int = 0,
 ) -> tuple[torch.optim.Optimizer, list[ParamGroup]]:
     """The optimizer of one model part (a whole model, or a pipeline stage) and its groups.
 
     ``muon`` is the [muon] section (default: its defaults); ``replica_group`` the group over
     which plain parameters are replicated (titanlite's DDP), for optimizers that split their
-    work over it (Muon).
+    work over it (Muon); ``dims`` the run's ParallelDims and ``n_layers`` the model's blocks
+    (QK-clip).
     """
     groups = resolve_groups(model, settings)
     kinds = sorted({g.optimizer for g in groups})
@@ -147,7 +150,9 @@ def build_optimizer(
                     "params": params, "lr": group.lr, "weight_decay": group.weight_decay,
                     "optimizer": group.optimizer,
                 })  # fmt: skip
-    context = optim.BuildContext(device, muon or Muon(), replica_group)
+    context = optim.BuildContext(
+        device, muon or Muon(), replica_group, model=model, dims=dims, n_layers=n_layers
+    )
     return optim.get(host).implementation().build(torch_groups, settings, context), groups
 
 
@@ -160,15 +165,18 @@ def build_optimizers(
     device: torch.device,
     muon: Muon | None = None,
     replica_group: Any = None,
+    dims: Any = None,
+    n_layers: int = 0,
 ) -> tuple[list[torch.optim.Optimizer], list[torch.optim.lr_scheduler.LambdaLR], list[ParamGroup]]:
     """One optimizer and learning-rate schedule per model part (the whole model, or each
-    pipeline stage of this rank), and the groups of all of them (logged); ``muon`` and
-    ``replica_group`` as for build_optimizer."""
+    pipeline stage of this rank), and the groups of all of them (logged); ``muon``,
+    ``replica_group``, ``dims`` and ``n_layers`` as for build_optimizer."""
     optimizers, groups = [], []
     for part in parts:
         optimizer, part_groups = build_optimizer(
-            part, settings, device, muon=muon, replica_group=replica_group
-        )
+            part, settings, device, muon=muon, replica_group=replica_group, dims=dims,
+            n_layers=n_layers,
+        )  # fmt: skip
         optimizers.append(optimizer)
         groups += part_groups
     log_groups(groups)

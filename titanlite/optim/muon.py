@@ -19,6 +19,9 @@ AdamW's, so AdamW's lr and weight decay carry over), sqrt(max(1, fan_out / fan_i
 (original, Keller Jordan's) or 1. A stack of expert matrices ([experts, in, out]) is
 orthogonalized expert by expert. Where the matrix is split over ranks (FSDP, TP), O is computed
 from the whole matrix on one rank and sent back as shards (``titanlite.optim.orthogonalize``).
+With ``muon.block = "head"`` the attention projections are orthogonalized head by head (each
+head's rows of wq, wk, wv, its columns of wo), and scale(W) is that of one head's block.
+With ``muon.qk_clip_threshold`` the step ends with QK-clip (``titanlite.optim.qk_clip``).
 """
 
 from __future__ import annotations
@@ -32,9 +35,12 @@ import torch
 
 from titanlite.config.job_config import Muon as MuonSettings
 from titanlite.config.job_config import Optimizer
+from titanlite.models.interfaces import AttentionLayer, find
 from titanlite.optim import BuildContext
 from titanlite.optim.adamw import adamw_defaults
-from titanlite.optim.orthogonalize import Orthogonalizer, local
+from titanlite.optim.orthogonalize import Block, Orthogonalizer, blocked
+from titanlite.optim.pieces import local
+from titanlite.optim.qk_clip import QKClip
 
 
 @dataclass(frozen=True)
@@ -87,7 +93,9 @@ class Muon(torch.optim.AdamW):
 
     ``orthogonalize`` maps the (parameter, local update) pairs of a step to their local
     orthogonalized updates (``Orthogonalizer``: whole matrices under every layout);
-    ``adamw`` are torch.optim.AdamW's keyword arguments.
+    ``adamw`` are torch.optim.AdamW's keyword arguments; ``blocks`` the parameters
+    orthogonalized block by block (their lr scale is a block's); ``qk_clip`` runs after
+    each update.
     """
 
     def __init__(
@@ -99,11 +107,15 @@ class Muon(torch.optim.AdamW):
         lr_adjustment: str,
         orthogonalize: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], list[torch.Tensor]],
         adamw: dict[str, Any],
+        blocks: dict[int, Block] | None = None,
+        qk_clip: QKClip | None = None,
     ):
         super().__init__(groups, **adamw)
         self.momentum, self.nesterov = momentum, nesterov
         self.lr_adjustment = lr_adjustment
         self.orthogonalize = orthogonalize
+        self.blocks = blocks or {}
+        self.qk_clip = qk_clip
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # load_state_dict ends here; Adam's version reads "step" from every parameter's state,
@@ -125,7 +137,14 @@ class Muon(torch.optim.AdamW):
             super().step()
         finally:
             self.param_groups = every
+        if self.qk_clip is not None:
+            self.qk_clip.apply()
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        if self.qk_clip is not None:  # the largest logits are per step, like the gradients
+            self.qk_clip.reset()
 
     def _muon_step(self, groups: list[dict[str, Any]]) -> None:
         todo: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]] = []
@@ -148,7 +167,9 @@ class Muon(torch.optim.AdamW):
             weight = local(p)
             if decay:
                 weight.mul_(1 - lr * decay)
-            weight.add_(o.to(weight.dtype), alpha=-lr * lr_scale(p.shape, self.lr_adjustment))
+            block = self.blocks.get(id(p))
+            shape = p.shape if block is None else blocked(p.shape, block)[1:]
+            weight.add_(o.to(weight.dtype), alpha=-lr * lr_scale(shape, self.lr_adjustment))
 
 
 def build(
@@ -161,11 +182,28 @@ def build(
         dtype=torch.bfloat16 if m.ns_dtype == "bfloat16" else torch.float32,
         eps=m.eps,
     )
+    blocks = head_blocks(context.model) if m.block == "head" else {}
     return Muon(
         groups,
         momentum=m.momentum,
         nesterov=m.nesterov,
         lr_adjustment=m.lr_adjustment,
-        orthogonalize=Orthogonalizer(ns, replica_group=context.replica_group),
+        orthogonalize=Orthogonalizer(ns, replica_group=context.replica_group, blocks=blocks),
         adamw=adamw_defaults(settings, context.device),
+        blocks=blocks,
+        qk_clip=QKClip.of(
+            context.model, m.qk_clip_threshold, dims=context.dims, n_layers=context.n_layers
+        ),
     )
+
+
+def head_blocks(model: torch.nn.Module | None) -> dict[int, Block]:
+    """id(weight) -> (dim, head_dim) of the attention projections of ``model``: each head's
+    rows of wq, wk and wv, its columns of wo."""
+    blocks: dict[int, Block] = {}
+    for layer in find(model, AttentionLayer) if model is not None else []:
+        heads = layer.heads()
+        for weight in (heads.query, heads.key, heads.value):
+            blocks[id(weight)] = (0, heads.head_dim)
+        blocks[id(heads.output)] = (1, heads.head_dim)
+    return blocks

@@ -25,6 +25,13 @@ with the least Newton-Schulz work so far (ties to the lowest rank): for matrices
 that is round-robin; for mixed sizes it keeps the busiest rank near the even share. Every
 rank of a group sees its parameters in the same order and shapes, so the owners and the
 order of collectives agree without any exchange.
+
+Per-head blocks (``muon.block = "head"``): a matrix given a block (dim, size) is
+orthogonalized as a stack of blocks of ``size`` rows (dim 0: wq, wk, wv) or columns (dim 1:
+wo), each block on its own, which needs only the blocks, not the matrix. Where every rank's
+piece is whole blocks (TP, which splits by heads; FSDP when its shards hold whole heads) the
+plan is local: no communication. Under FSDP x TP the owner gathers TP's piece only, over the
+FSDP ranks that share it (sharded). Otherwise the whole matrix travels as above.
 """
 
 from __future__ import annotations
@@ -34,69 +41,53 @@ import logging
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from titanlite.optim.pieces import (
+    Plan,
+    gather_over_mesh,
+    pad,
+    padded_shape,
+    piece,
+    placement_dim,
+    scatter_over_mesh,
+    split_by_plan,
+)
+
 logger = logging.getLogger(__name__)
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank stores: a DTensor's local shard, else the tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-@dataclass
-class Plan:
-    """How one parameter's update reaches whole matrices and comes back."""
-
-    kind: str
-    """local, replicated, sharded or gathered (see the module's docstring)."""
-    group: dist.ProcessGroup | None = None
-    owner: int = 0
-    """The group rank that orthogonalizes."""
-    is_owner: bool = True
-    dim: int = 0
-    """sharded: the tensor dim split over the group."""
-    sizes: list[int] = field(default_factory=list)
-    """sharded: every group rank's length along ``dim``."""
-    mesh: DeviceMesh | None = None
-    placements: tuple[Placement, ...] = ()
-    owner_coordinate: tuple[int, ...] = ()
-    """gathered: the owner's coordinate on the mesh."""
-    counts: list[int] = field(default_factory=list)
-    """gathered: every mesh rank's number of elements (mesh coordinates in row-major order)."""
-    index: torch.Tensor | None = None
-    """gathered, on the owner: the global flat index of every rank's elements, in that
-    order."""
 
 
 class Orthogonalizer:
     """``orthogonalizer(pairs)``: for (parameter, local update) pairs, each rank's local share
     of the orthogonalized updates. ``newton_schulz`` maps a whole matrix (or a stack) to its
     orthogonal factor; ``replica_group`` is the group over which plain parameters are
-    replicated (None: plain parameters are orthogonalized where they are)."""
+    replicated (None: plain parameters are orthogonalized where they are); ``blocks`` the
+    parameters orthogonalized block by block (per head)."""
 
     def __init__(
         self,
         newton_schulz: Callable[[torch.Tensor], torch.Tensor],
         replica_group: dist.ProcessGroup | None = None,
+        blocks: dict[int, Block] | None = None,
     ):
         self.newton_schulz = newton_schulz
         self.replica_group = replica_group
+        self.blocks = blocks or {}
+        """id(parameter) -> (dim, size): orthogonalized in blocks of ``size`` along ``dim``."""
         self.plans: dict[int, Plan] = {}
         self._load: dict[tuple[int, ...], list[float]] = {}  # per set of ranks: work so far
         self._counts: dict[tuple, list[int]] = {}  # gathered plans' piece sizes, by layout
+        self._whole: dict[tuple, bool] = {}  # whole_blocks, by layout and block
 
     def __call__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
         first = not self.plans
         # Owners are picked largest matrix first (then in parameter order): the greedy
         # choice then leaves the busiest rank within one small matrix of the even share.
-        for p, _ in sorted(pairs, key=lambda pair: -newton_schulz_flops(pair[0].shape)):
+        for p, _ in sorted(pairs, key=lambda pair: -newton_schulz_flops(self.work(pair[0]))):
             self.plan(p)
         plans = [self.plan(p) for p, _ in pairs]
         if first and plans:
@@ -112,10 +103,10 @@ class Orthogonalizer:
         pending: list[tuple[int, list[torch.Tensor], dist.Work]] = []
         for i, (plan, update) in enumerate(zip(plans, updates, strict=True)):
             if plan.kind == "gathered":
-                whole[i] = _gather_over_mesh(update, plan, pairs[i][0].shape)
+                whole[i] = gather_over_mesh(update, plan, pairs[i][0].shape)
             elif plan.kind == "sharded":
                 chunk = max(plan.sizes)
-                parts = [_pad(update, plan.dim, chunk)]
+                parts = [pad(update, plan.dim, chunk)]
                 if plan.is_owner:
                     parts += [torch.empty_like(parts[0]) for _ in plan.sizes]
                 work = dist.gather(
@@ -132,7 +123,10 @@ class Orthogonalizer:
                 shards = [p.narrow(plan.dim, 0, n) for p, n in zip(parts, plan.sizes, strict=True)]
                 whole[i] = torch.cat(shards, dim=plan.dim)
         # 2. Each owner orthogonalizes its matrices.
-        result = [None if w is None else self.newton_schulz(w) for w in whole]
+        result = [
+            None if w is None else in_blocks(self.newton_schulz, w, self.blocks.get(id(p)))
+            for w, (p, _) in zip(whole, pairs, strict=True)
+        ]
         # 3. Results back to every rank that holds a part of them.
         out: list[torch.Tensor | None] = [None] * len(pairs)
         waits: list[tuple[int, torch.Tensor, dist.Work]] = []
@@ -142,10 +136,10 @@ class Orthogonalizer:
                 out[i] = ortho
             elif plan.kind == "sharded":
                 chunk = max(plan.sizes)
-                buf = update.new_empty(_padded_shape(update, plan.dim, chunk))
+                buf = update.new_empty(padded_shape(update, plan.dim, chunk))
                 chunks = None
                 if plan.is_owner:
-                    chunks = [_pad(c, plan.dim, chunk) for c in _split(ortho, plan)]
+                    chunks = [pad(c, plan.dim, chunk) for c in split_by_plan(ortho, plan)]
                 work = dist.scatter(
                     buf, chunks, group=plan.group, group_src=plan.owner, async_op=True
                 )
@@ -163,7 +157,7 @@ class Orthogonalizer:
                 out[i] = buf
         for i, plan in enumerate(plans):
             if plan.kind == "gathered":
-                out[i] = _scatter_over_mesh(result[i], updates[i], plan)
+                out[i] = scatter_over_mesh(result[i], updates[i], plan)
         return out  # type: ignore[return-value]
 
     def plan(self, param: torch.Tensor) -> Plan:
@@ -173,7 +167,11 @@ class Orthogonalizer:
             self.plans[key] = self._make_plan(param)
         return self.plans[key]
 
-    def _next(self, ranks: tuple[int, ...], shape: torch.Size) -> int:
+    def work(self, param: torch.Tensor) -> tuple[int, ...]:
+        """The shape Newton-Schulz sees of ``param``: its blocks as a stack, else itself."""
+        return blocked(param.shape, self.blocks.get(id(param)))
+
+    def _next(self, ranks: tuple[int, ...], shape: tuple[int, ...]) -> int:
         """The owner (an index into ``ranks``) of the next matrix those ranks hold: the one
         with the least Newton-Schulz work so far, the lowest on a tie."""
         load = self._load.setdefault(ranks, [0.0] * len(ranks))
@@ -181,7 +179,7 @@ class Orthogonalizer:
         load[owner] += newton_schulz_flops(shape)
         return owner
 
-    def _assign(self, plan: Plan, group: dist.ProcessGroup, shape: torch.Size) -> Plan:
+    def _assign(self, plan: Plan, group: dist.ProcessGroup, shape: tuple[int, ...]) -> Plan:
         plan.group = group
         plan.owner = self._next(tuple(dist.get_process_group_ranks(group)), shape)
         plan.is_owner = dist.get_rank(group) == plan.owner
@@ -192,7 +190,7 @@ class Orthogonalizer:
             group = self.replica_group
             if group is None or dist.get_world_size(group) == 1:
                 return Plan("local")
-            return self._assign(Plan("replicated"), group, param.shape)
+            return self._assign(Plan("replicated"), group, self.work(param))
         mesh, placements = param.device_mesh, tuple(param.placements)
         matrix_dims = {param.ndim - 2, param.ndim - 1}
         # FSDP over TP's shards splits with _StridedShard, which is not a Shard.
@@ -201,19 +199,22 @@ class Orthogonalizer:
             for i, p in enumerate(placements)
             if isinstance(p, Shard | _StridedShard)
             and mesh.size(i) > 1
-            and _dim(p, param.ndim) in matrix_dims
+            and placement_dim(p, param.ndim) in matrix_dims
         ]
         if not on_matrix:  # split by expert only: each rank holds whole matrices
             return Plan("local")
+        block = self.blocks.get(id(param))
+        if block is not None and (plan := self._block_plan(param, on_matrix, block)):
+            return plan
         if len(on_matrix) == 1 and type(on_matrix[0][1]) is Shard:
             mesh_dim, placement = on_matrix[0]
-            dim = _dim(placement, param.ndim)
+            dim = placement_dim(placement, param.ndim)
             n, ranks = param.shape[dim], mesh.size(mesh_dim)
             chunk = math.ceil(n / ranks)
             sizes = [max(0, min(chunk, n - r * chunk)) for r in range(ranks)]
             plan = Plan("sharded", dim=dim, sizes=sizes)
-            return self._assign(plan, mesh.get_group(mesh_dim), param.shape)
-        owner = self._next(tuple(mesh.mesh.flatten().tolist()), param.shape)
+            return self._assign(plan, mesh.get_group(mesh_dim), self.work(param))
+        owner = self._next(tuple(mesh.mesh.flatten().tolist()), self.work(param))
         coordinate = mesh.get_coordinate()
         assert coordinate is not None  # a parameter lives on the meshes of its ranks
         coordinates = list(itertools.product(*(range(n) for n in mesh.shape)))
@@ -223,7 +224,7 @@ class Orthogonalizer:
         if key not in self._counts:
             meta = torch.empty(param.shape, device="meta")
             self._counts[key] = [
-                _piece(meta, mesh.shape, placements, c).numel() for c in coordinates
+                piece(meta, mesh.shape, placements, c).numel() for c in coordinates
             ]
         counts = self._counts[key]
         plan = Plan(
@@ -232,9 +233,46 @@ class Orthogonalizer:
         )  # fmt: skip
         if plan.is_owner:
             flat = torch.arange(param.numel(), device=param.device).view(param.shape)
-            pieces = [_piece(flat, mesh.shape, placements, c).reshape(-1) for c in coordinates]
+            pieces = [piece(flat, mesh.shape, placements, c).reshape(-1) for c in coordinates]
             plan.index = torch.cat(pieces)
         return plan
+
+    def _block_plan(
+        self, param: DTensor, splits: list[tuple[int, Placement]], block: Block
+    ) -> Plan | None:
+        """A plan that moves less than the whole matrix, when blocks allow one: local when
+        every rank's piece is whole blocks; under FSDP x TP, where TP (the inner mesh dim)
+        splits the blocks evenly, a gather of TP's piece over the FSDP ranks alone (FSDP
+        cuts TP's piece: _StridedShard along the same dim, or Shard along the other).
+        None: the whole matrix moves."""
+        dim, size = block
+        mesh, ndim = param.device_mesh, param.ndim
+        if all(placement_dim(p, ndim) == dim for _, p in splits):
+            key = (tuple(param.shape), mesh.shape, tuple(param.placements), block)
+            if key not in self._whole:  # once per layout and shape, not per layer
+                self._whole[key] = whole_blocks(param, dim, size)
+            if self._whole[key]:
+                return Plan("local")
+        if len(splits) != 2:
+            return None
+        (outer, cut), (inner, heads) = splits
+        tp = mesh.size(inner)
+        if type(heads) is not Shard or placement_dim(heads, ndim) != dim:
+            return None
+        if param.shape[dim] % (tp * size):
+            return None
+        along = placement_dim(cut, ndim)
+        if along == dim and not (isinstance(cut, _StridedShard) and cut.split_factor == tp):
+            return None
+        if along != dim and type(cut) is not Shard:
+            return None
+        shape = list(param.shape)
+        shape[dim] //= tp  # TP's piece, which FSDP's ranks gather
+        n, ranks = shape[along], mesh.size(outer)
+        chunk = math.ceil(n / ranks)
+        sizes = [max(0, min(chunk, n - r * chunk)) for r in range(ranks)]
+        plan = Plan("sharded", dim=along, sizes=sizes)
+        return self._assign(plan, mesh.get_group(outer), blocked(tuple(shape), block))
 
 
 def newton_schulz_flops(shape: torch.Size | tuple[int, ...]) -> float:
@@ -244,106 +282,42 @@ def newton_schulz_flops(shape: torch.Size | tuple[int, ...]) -> float:
     return math.prod(shape[:-2]) * (4 * m * m * n + 2 * m**3)
 
 
-def _piece(
-    tensor: torch.Tensor, mesh_shape: tuple[int, ...], placements: tuple[Placement, ...],
-    coordinate: tuple[int, ...],
-) -> torch.Tensor:  # fmt: skip
-    """The part of ``tensor`` the rank at ``coordinate`` holds, cut as distribute_tensor
-    cuts it (mesh dim by mesh dim, through the placements' own split)."""
-    for mesh_dim, placement in enumerate(placements):
-        if isinstance(placement, Shard | _StridedShard):
-            pieces, _ = placement._split_tensor(
-                tensor, mesh_shape[mesh_dim], with_padding=False, contiguous=False
-            )
-            tensor = pieces[coordinate[mesh_dim]]
-    return tensor
+Block = tuple[int, int]
+"""(dim, size): a matrix cut into blocks of ``size`` rows (dim 0) or columns (dim 1)."""
 
 
-def _participates(coordinate: Sequence[int], owner: Sequence[int], mesh_dim: int) -> bool:
-    """Whether a rank takes part in the hop along ``mesh_dim``: it agrees with the owner on
-    every inner dim (the hops along those gathered its data there, or will scatter it from
-    there)."""
-    return all(coordinate[d] == owner[d] for d in range(mesh_dim + 1, len(owner)))
+def blocked(shape: Sequence[int], block: Block | None) -> tuple[int, ...]:
+    """The shape of a matrix's blocks as a stack ([blocks, rows, cols]); ``shape`` if none."""
+    if block is None:
+        return tuple(shape)
+    dim, size = block
+    rows, cols = shape
+    return (rows // size, size, cols) if dim == 0 else (cols // size, rows, size)
 
 
-def _gather_over_mesh(update: torch.Tensor, plan: Plan, shape: torch.Size) -> torch.Tensor | None:
-    """The whole matrix on the owner (None elsewhere): every rank's piece, padded to the
-    largest, gathered along the innermost mesh dim to the rank in line with the owner, then
-    those along the next dim, and so on out to the owner."""
-    mesh, owner = plan.mesh, plan.owner_coordinate
-    assert mesh is not None
-    coordinate = mesh.get_coordinate()
-    assert coordinate is not None
-    slot = max(plan.counts)
-    buf = update.new_zeros(slot)
-    buf[: update.numel()] = update.reshape(-1)
-    for mesh_dim in reversed(range(mesh.ndim)):
-        if not _participates(coordinate, owner, mesh_dim):
-            break
-        receiving = coordinate[mesh_dim] == owner[mesh_dim]
-        parts = [torch.empty_like(buf) for _ in range(mesh.size(mesh_dim))] if receiving else None
-        dist.gather(buf, parts, group=mesh.get_group(mesh_dim), group_dst=owner[mesh_dim])
-        if not receiving:
-            return None
-        buf = torch.cat(parts)  # type: ignore[arg-type]
-    assert plan.index is not None
-    values = torch.cat([buf[r * slot : r * slot + n] for r, n in enumerate(plan.counts)])
-    return update.new_empty(shape).view(-1).index_copy_(0, plan.index, values).view(shape)
-
-
-def _scatter_over_mesh(
-    result: torch.Tensor | None, update: torch.Tensor, plan: Plan
+def in_blocks(
+    newton_schulz: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, block: Block | None
 ) -> torch.Tensor:
-    """This rank's piece of the owner's ``result``: the gather's hops in reverse (outermost
-    mesh dim first), each scattering the padded pieces of the ranks behind it."""
-    mesh, owner = plan.mesh, plan.owner_coordinate
-    assert mesh is not None
-    coordinate = mesh.get_coordinate()
-    assert coordinate is not None
-    slot = max(plan.counts)
-    buf: torch.Tensor | None = None
-    if result is not None:
-        assert plan.index is not None
-        values = result.reshape(-1)[plan.index]
-        buf = update.new_zeros(len(plan.counts) * slot)
-        start = 0
-        for r, n in enumerate(plan.counts):
-            buf[r * slot : r * slot + n] = values[start : start + n]
-            start += n
-    for mesh_dim in range(mesh.ndim):
-        if not _participates(coordinate, owner, mesh_dim):
-            continue
-        behind = slot * math.prod(mesh.shape[mesh_dim + 1 :])
-        out = update.new_empty(behind)
-        sending = coordinate[mesh_dim] == owner[mesh_dim] and buf is not None
-        chunks = list(buf.split(behind)) if sending else None  # type: ignore[union-attr]
-        dist.scatter(out, chunks, group=mesh.get_group(mesh_dim), group_src=owner[mesh_dim])
-        buf = out
-    assert buf is not None
-    return buf[: update.numel()].view(update.shape)
+    """``newton_schulz`` of each block of the matrix ``x`` on its own, put back in place."""
+    if block is None:
+        return newton_schulz(x)
+    dim, size = block
+    stack = x.unflatten(dim, (-1, size)).movedim(dim, 0)
+    return newton_schulz(stack).movedim(0, dim).flatten(dim, dim + 1)
 
 
-def _dim(placement: Placement, ndim: int) -> int:
-    dim = placement.dim  # type: ignore[attr-defined]
-    return dim + ndim if dim < 0 else dim
-
-
-def _padded_shape(t: torch.Tensor, dim: int, length: int) -> list[int]:
-    shape = list(t.shape)
-    shape[dim] = length
-    return shape
-
-
-def _pad(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
-    """``t`` zero-padded along ``dim`` to ``length`` (contiguous, as collectives need)."""
-    if t.shape[dim] == length:
-        return t.contiguous()
-    out = t.new_zeros(_padded_shape(t, dim, length))
-    out.narrow(dim, 0, t.shape[dim]).copy_(t)
-    return out
-
-
-def _split(t: torch.Tensor, plan: Plan) -> list[torch.Tensor]:
-    """``t`` cut along the plan's dim into every group rank's share (empty ones included)."""
-    starts = [sum(plan.sizes[:r]) for r in range(len(plan.sizes))]
-    return [t.narrow(plan.dim, s, n) for s, n in zip(starts, plan.sizes, strict=True)]
+def whole_blocks(param: DTensor, dim: int, size: int) -> bool:
+    """Whether every rank's piece of ``param`` (a matrix split along ``dim`` only) is made of
+    whole blocks of ``size``; found from an index view (no memory), the same on every rank."""
+    mesh = param.device_mesh
+    index = torch.arange(param.shape[dim]).view([-1 if d == dim else 1 for d in range(2)])
+    index = index.expand(param.shape)
+    for coordinate in itertools.product(*(range(n) for n in mesh.shape)):
+        held = piece(index, mesh.shape, tuple(param.placements), coordinate)
+        rows = held.narrow(1 - dim, 0, 1).reshape(-1) if held.numel() else held.reshape(-1)
+        if rows.numel() % size:
+            return False
+        starts = rows.view(-1, size)
+        if (starts[:, 0] % size).any() or (starts - starts[:, :1] != torch.arange(size)).any():
+            return False
+    return True

@@ -7,7 +7,8 @@ queries, keys and values in, the attended values out. A family's args name their
 read instead of the class.
 
 Adding a kind of attention: a module here with an ``AttentionCore`` subclass (set ``mask``,
-implement ``attend``) and one line in ``REGISTRY``.
+implement ``attend``; for QK-clip, ``attend`` calls ``kernels.record_max_logits`` while
+``record_max_logits`` is on) and one line in ``REGISTRY``.
 """
 
 from __future__ import annotations

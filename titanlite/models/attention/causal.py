@@ -7,7 +7,11 @@ from collections.abc import Sequence
 
 import torch
 
-from titanlite.models.attention.kernels import chunk_attention, document_attention
+from titanlite.models.attention.kernels import (
+    chunk_attention,
+    document_attention,
+    record_max_logits,
+)
 from titanlite.models.interfaces import AttentionCore, Mask
 
 
@@ -24,6 +28,8 @@ class CausalAttention(AttentionCore):
         documents: torch.Tensor | None = None,
         masked: bool = False,
     ) -> torch.Tensor:
+        if self.record_max_logits:  # QK-clip (titanlite.optim.qk_clip)
+            record_max_logits(self, q, k, chunks, documents=documents)
         if documents is not None:
             return document_attention(q, k, v, documents, chunks=chunks, masked=masked)
         outs, local = [], 0

@@ -11,10 +11,19 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+
+from titanlite.models.interfaces import AttentionCore, Mask
+
+LOGIT_BLOCK = 1 << 24
+"""Logits computed at once by ``max_logits`` (64 MiB in float32), whatever the sequence."""
+QUERY_BLOCK = 256
+"""At most this many queries at a time: causally, a block computes only the keys up to its
+last query (about half of the square in all)."""
 
 
 def chunk_attention(
@@ -115,3 +124,67 @@ def document_attention(
             local += length
         outs.append(torch.cat(pieces, dim=2))
     return torch.cat(outs, dim=0)
+
+
+def max_logits(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    chunks: Sequence[tuple[int, int]],
+    *,
+    mask: Mask,
+    documents: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The largest pre-softmax logit q.k / sqrt(head_dim) of each query head [heads] over the
+    batch, the queries ``q`` [b, h, local, d] (holding ``chunks`` of the sequence, as in
+    ``attend``) and the keys ``k`` [b, h_kv, seq, d] each query may see under ``mask`` and
+    ``documents`` [b, seq]. In float32 (float64 for float64 inputs), a block of queries at a
+    time (at most LOGIT_BLOCK logits), without gradients."""
+    b, h, _, d = q.shape
+    kv, seq = k.shape[1], k.shape[2]
+    wide = torch.promote_types(q.dtype, torch.float32)
+    # Query heads grouped by the key head they share: [b, kv, group, queries, d].
+    grouped = q.detach().to(wide).unflatten(1, (kv, h // kv)) / math.sqrt(d)
+    keys = k.detach().to(wide)
+    best = torch.full((h,), -math.inf, dtype=wide, device=q.device)
+    local, step = 0, max(1, min(QUERY_BLOCK, LOGIT_BLOCK // (b * h * seq)))  # queries at a time
+    for first, length in chunks:
+        for lo in range(0, length, step):
+            n = min(step, length - lo)
+            at = torch.arange(first + lo, first + lo + n, device=q.device)  # query positions
+            end = first + lo + n if mask.causal else seq
+            logits = torch.einsum(
+                "bkgqd,bksd->bkgqs", grouped[:, :, :, local + lo : local + lo + n], keys[:, :, :end]
+            )
+            key_at = torch.arange(end, device=q.device)
+            visible = torch.ones(n, end, dtype=torch.bool, device=q.device)
+            if mask.causal:
+                visible &= key_at[None, :] <= at[:, None]
+            if mask.window is not None:
+                visible &= key_at[None, :] > at[:, None] - mask.window
+            visible = visible.expand(b, n, end)
+            if documents is not None and mask.documents:
+                visible = visible & (documents[:, None, :end] == documents[:, at, None])
+            logits.masked_fill_(~visible[:, None, None], -math.inf)
+            best = torch.maximum(best, logits.amax(dim=(0, 3, 4)).flatten())
+        local += length
+    return best
+
+
+@torch.compiler.disable  # a side effect on the module: eager, outside compiled graphs
+def record_max_logits(
+    core: AttentionCore,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    chunks: Sequence[tuple[int, int]],
+    *,
+    documents: torch.Tensor | None = None,
+) -> None:
+    """Fold ``max_logits`` of this forward into ``core.max_logits``: in training forwards
+    only (not validation, which runs without gradients, nor activation checkpointing's
+    recomputation in backward, which would see the same logits again)."""
+    if not (core.training and torch.is_grad_enabled()):
+        return
+    if torch._C._current_graph_task_id() != -1:  # a recomputation in backward
+        return
+    step = max_logits(q, k, chunks, mask=core.mask, documents=documents)
+    core.max_logits = step if core.max_logits is None else torch.maximum(core.max_logits, step)

@@ -33,11 +33,18 @@ from titanlite.files import atomic_write
 from titanlite.interop.export import export_checkpoint
 
 
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+def positive_int(text: str, least: int = 1) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{text} is less than {least}")
     return value
+
+
+def count(text: str) -> int:
+    return positive_int(text, least=0)
 
 
 def batch_size(text: str) -> int | str:
@@ -60,7 +67,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="a folder of task YAML files whose task and group names --tasks may use (repeatable)",
     )
     parser.add_argument("--limit", type=positive_int, help="at most this many examples per task")
-    parser.add_argument("--num-fewshot", type=int, help="examples in each prompt (task default)")
+    parser.add_argument("--num-fewshot", type=count, help="examples in each prompt (task default)")
     parser.add_argument(
         "--batch-size", type=batch_size, default=8, help="sequences per forward, or auto (8)"
     )
@@ -79,7 +86,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--keep-hf", type=Path, metavar="DIR", help="export into DIR and keep it (new, empty or an export)"
     )  # fmt: skip
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.log_samples and args.output is None:
+        parser.error("--log-samples writes the samples into --output FILE: give one")
+    return args
 
 
 def check_output(path: Path | None) -> None:

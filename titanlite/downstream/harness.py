@@ -181,7 +181,7 @@ def load_tasks(manager: Any, selection: TaskSelection) -> list[Any]:
         top += [g for name, g in loaded["groups"].items() if name not in children]
         top += [t for name, t in loaded["tasks"].items() if name not in children]
     try:
-        manager.load(top)  # the same tasks named twice (also through a group) are refused
+        manager.load(top)  # refuses a task named both alone and in a group, or in two groups
     except ValueError as e:
         raise UserError(f"--tasks: {first_line(e)}") from None
     return top
@@ -238,9 +238,10 @@ def results_tables(results: dict[str, Any]) -> str:
 
 
 def json_value(value: Any) -> Any:
-    """For json.dumps: numpy scalars as numbers, sets as lists, anything else as its text."""
-    if hasattr(value, "item"):
-        return value.item()
+    """For json.dumps: numpy values as numbers and lists, sets as lists, anything else as its
+    text."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
     if isinstance(value, (set, tuple)):
         return list(value)
     return str(value)

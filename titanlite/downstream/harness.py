@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -188,10 +189,11 @@ def load_tasks(manager: Any, selection: TaskSelection) -> list[Any]:
 
 
 def first_line(error: BaseException) -> str:
-    """An error's message, its first line (a KeyError's without the quotes it adds)."""
+    """An error's message, its first line, without the quotes a KeyError adds or the class
+    name some libraries end it with ("Couldn't reach ... (OfflineModeIsEnabled)")."""
     text = error.args[0] if isinstance(error, KeyError) and error.args else error
     lines = str(text).strip().splitlines()
-    return lines[0] if lines else "it could not be loaded"
+    return re.sub(r" \([A-Z][a-z]+(?:[A-Z][a-z]+)+\)$", "", lines[0]) if lines else "it could not be loaded"  # fmt: skip
 
 
 def evaluate(

@@ -22,8 +22,8 @@ from pathlib import Path
 from titanlite import run_lock
 from titanlite.dtypes import DTYPES
 from titanlite.errors import EXIT_USER_ERROR, UserError
-from titanlite.interop.checkpoint_model import checkpoint_tokenizer, load_checkpoint_model
-from titanlite.interop.hf import parse_size, save_hf
+from titanlite.interop.export import export_checkpoint
+from titanlite.interop.hf import parse_size
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -53,29 +53,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         with run_lock.hold(args.out, "scripts/convert_to_hf.py"):
-            max_shard_bytes = parse_size(args.max_shard_size)
-            loaded = load_checkpoint_model(args.checkpoint, ema=args.ema)
-            meta = loaded.meta
-            tokenizer = checkpoint_tokenizer(
-                meta, args.tokenizer, loaded.args.vocab_size, args.checkpoint
-            )
-            source = {"source": str(args.checkpoint.resolve()), "step": meta.get("step")}
-            if args.ema:
-                source["weights"] = "ema"
-            files = save_hf(
-                loaded.model.state_dict(),
-                loaded.spec,
-                loaded.args,
+            exported = export_checkpoint(
+                args.checkpoint,
                 args.out,
-                tokenizer=tokenizer,
                 dtype=DTYPES[args.dtype],
-                max_shard_bytes=max_shard_bytes,
-                source=source,
+                max_shard_bytes=parse_size(args.max_shard_size),
+                ema=args.ema,
+                tokenizer=args.tokenizer,
             )
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
-    print(f"wrote {args.out} ({args.dtype}, step {meta.get('step')}): {', '.join(files)}")
+    files = ", ".join(exported.files)
+    print(f"wrote {args.out} ({args.dtype}, step {exported.step}): {files}")
     return 0
 
 

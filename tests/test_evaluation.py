@@ -16,7 +16,7 @@ from pool import get_pool
 
 from titanlite.downstream import builtin
 from titanlite.downstream.evaluator import accuracies
-from titanlite.downstream.tasks import Question, Task, read_task
+from titanlite.downstream.tasks import Question, Task, encode_pair, read_task
 from titanlite.errors import UserError
 
 sys.path.insert(0, str(REPO / "scripts"))
@@ -167,8 +167,7 @@ def test_scores_equal_transformers_on_the_exported_model(one_process, tmp_path) 
     tok = load_tokenizer(DEFAULT_TOKENIZER_PATH)
 
     def log_likelihood(context: str, continuation: str) -> float:
-        ctx = tok.encode(context, bos=True, eos=False)
-        ids = tok.encode(continuation, bos=False, eos=False)
+        ctx, ids = encode_pair(tok, context, continuation)
         with torch.no_grad():
             logits = hf(torch.tensor([ctx + ids])[:, :-1]).logits[0].double()
         logp = torch.log_softmax(logits, -1)

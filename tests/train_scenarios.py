@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from titanlite.config import load_config
+from titanlite.downstream.tasks import encode_pair
 from titanlite.trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -71,10 +72,9 @@ def train_then_score(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
                 rows = [json.loads(line) for line in Path(task).read_text().splitlines()]
                 scored = direct[Path(task).stem] = []
                 for row in rows:
-                    context = tok.encode(row["context"], bos=True, eos=False)
                     per_choice = []
                     for choice in row.get("choices", [row.get("target")]):
-                        ids = tok.encode(choice, bos=False, eos=False)
+                        context, ids = encode_pair(tok, row["context"], choice)
                         tokens = torch.tensor([context + ids])
                         logp = torch.log_softmax(model(tokens[:, :-1]).double(), -1)[0]
                         at = len(context) - 1

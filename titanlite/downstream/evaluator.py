@@ -23,7 +23,7 @@ from titanlite.config.job_config import Eval, JobConfig
 from titanlite.data.batches import IGNORE_INDEX
 from titanlite.data.tokenizer import Tokenizer
 from titanlite.downstream import builtin
-from titanlite.downstream.tasks import Task, read_task
+from titanlite.downstream.tasks import Task, encode_pair, read_task
 from titanlite.errors import UserError
 from titanlite.metrics import MetricsLogger
 from titanlite.parallel.dims import ParallelDims
@@ -98,9 +98,10 @@ class Evaluator:
         """This rank's rows of ``task``, longest first; truncations are counted and logged."""
         rows, cut, index = [], 0, 0
         for q, question in enumerate(task.questions):
-            context = tokenizer.encode(question.context, bos=True, eos=False)
             for choice in question.choices:
-                ids = tokenizer.encode(choice, bos=False, eos=False)
+                context, ids = encode_pair(tokenizer, question.context, choice)
+                if not ids:
+                    raise UserError(f"eval.tasks: {task.name}, question {q + 1}: the choice {choice!r} encodes to no tokens")  # fmt: skip
                 room = self.seq_len + 1 - len(ids)  # a row of n tokens is n - 1 inputs
                 if room < 2:
                     raise UserError(

@@ -28,8 +28,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from titanlite.errors import UserError
+
+if TYPE_CHECKING:
+    from titanlite.data.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,20 @@ class Task:
     @property
     def completion(self) -> bool:
         return self.questions[0].completion
+
+
+def encode_pair(
+    tokenizer: Tokenizer, context: str, continuation: str
+) -> tuple[list[int], list[int]]:
+    """The tokens of ``context`` (BOS first) and of ``continuation`` after it, as running text
+    encodes them: the whole text is encoded once and split after the context's own tokens,
+    whitespace ending the context moving to the continuation (lm-evaluation-harness's rule, so
+    ``scripts/eval_harness.py`` scores the same tokens). Encoded alone, a continuation would
+    not be running text: a sentencepiece tokenizer starts " Paris" with a lone word-start
+    token that "... is Paris" never has."""
+    head = tokenizer.encode(context.rstrip(), bos=True, eos=False)
+    whole = tokenizer.encode(context + continuation, bos=True, eos=False)
+    return head, whole[len(head) :]
 
 
 def read_task(path: Path) -> Task:

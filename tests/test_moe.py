@@ -51,10 +51,16 @@ def reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     logits = flat @ moe.router.weight.t()
     scores = logits.softmax(-1) if moe.score_func == "softmax" else logits.sigmoid()
     out = torch.zeros_like(flat)
+    size = moe.num_experts // moe.n_groups
     for t in range(flat.shape[0]):
-        top = torch.topk(scores[t] + moe.expert_bias, moe.top_k).indices
+        choice = scores[t] + moe.expert_bias
+        ratings = [sorted(choice[g * size : (g + 1) * size].tolist())[-2:] for g in
+                   range(moe.n_groups)]  # fmt: skip
+        groups = sorted(range(moe.n_groups), key=lambda g: -sum(ratings[g]))[: moe.topk_groups]
+        allowed = [e for e in range(moe.num_experts) if e // size in groups]
+        top = torch.tensor(allowed)[torch.topk(choice[allowed], moe.top_k).indices]
         w = scores[t, top]
-        w = w / w.sum() if moe.norm_topk else w
+        w = (w / w.sum() if moe.norm_topk else w) * moe.route_scale
         for e, weight in zip(top.tolist(), w, strict=True):
             ex = moe.experts
             h = F.silu(flat[t] @ ex.w1[e]) * (flat[t] @ ex.w3[e])
@@ -66,15 +72,67 @@ def reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "changes",
-    [{}, {"score_func": "sigmoid"}, {"norm_topk": False}, {"shared_experts": 2}],
-    ids=["softmax", "sigmoid", "no-renorm", "shared"],
+    [
+        {},
+        {"score_func": "sigmoid"},
+        {"norm_topk": False},
+        {"shared_experts": 2},
+        {
+            "score_func": "sigmoid",
+            "n_groups": 3,
+            "topk_groups": 2,
+            "top_k": 3,
+            "route_scale": 2.5,
+            "shared_experts": 1,
+        },
+    ],
+    ids=["softmax", "sigmoid", "no-renorm", "shared", "deepseek-groups"],
 )
 def test_layer_matches_the_per_token_reference(changes: dict) -> None:
     moe = layer(**changes)
     x = torch.randn(3, 10, 32, generator=torch.Generator().manual_seed(1))
     got = moe(x)
     assert torch.allclose(got, reference(moe, x), atol=1e-5, rtol=1e-5)
-    assert int(moe.last.counts.sum()) == 3 * 10 * 2 and int(moe.last.dropped) == 0
+    assert int(moe.last.counts.sum()) == 3 * 10 * moe.top_k and int(moe.last.dropped) == 0
+
+
+def test_group_limited_routing_chooses_only_inside_the_best_groups() -> None:
+    """Every chosen expert lies in one of the token's topk_groups groups, those rated best by
+    the sum of their two best choice scores (scores plus bias); with one group the choice is
+    plain top-k, whatever the bias."""
+    changes = {"score_func": "sigmoid", "num_experts": 12, "top_k": 3, "aux_loss_coef": 0.0}
+    grouped = layer(n_groups=4, topk_groups=2, **changes)
+    with torch.no_grad():  # a bias that moves choices: it must rate the groups too
+        grouped.expert_bias.copy_(torch.linspace(-0.3, 0.3, 12))
+    x = torch.randn(2, 40, 32, generator=torch.Generator().manual_seed(6))
+    flat = x.reshape(-1, 32)
+    choice = (flat @ grouped.router.weight.t()).sigmoid() + grouped.expert_bias
+    chosen = torch.topk(grouped._within_best_groups(choice), 3, dim=-1).indices
+    ratings = choice.view(-1, 4, 3).topk(2, dim=-1).values.sum(-1)
+    best = torch.topk(ratings, 2, dim=-1).indices
+    assert (chosen // 3)[..., None].eq(best[:, None, :]).any(-1).all()
+    plain_top = torch.topk(choice, 3, dim=-1).indices
+    assert not torch.equal(chosen.sort(-1).values, plain_top.sort(-1).values)  # groups bite
+    one = layer(n_groups=1, topk_groups=1, **changes)
+    one.load_state_dict(grouped.state_dict())
+    one(x)
+    assert torch.equal(one.last.counts, torch.bincount(plain_top.reshape(-1), minlength=12))
+    plain = layer(**changes)
+    plain.load_state_dict(grouped.state_dict())
+    assert torch.equal(one(x), plain(x))
+
+
+def test_first_k_dense_blocks_have_a_dense_feed_forward() -> None:
+    from titanlite.models.layers import FeedForward
+
+    model = Decoder(moe_args(n_layers=3, first_k_dense=2))
+    kinds = [type(b.feed_forward) for b in model.layers.values()]
+    assert kinds == [FeedForward, FeedForward, MoE]
+    assert model.layers["0"].feed_forward.w1.weight.shape == (16 * 2, 32)  # the active width
+    total = count_params(model)
+    assert (
+        SPEC.active_params(moe_args(n_layers=3, first_k_dense=2), total) == total - 4 * 3 * 32 * 16
+    )
 
 
 def test_grouped_matmul_and_its_fallback_match_a_loop_forward_and_backward() -> None:

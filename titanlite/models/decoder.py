@@ -66,14 +66,17 @@ class Attention(AttentionLayer):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: Any):
+    def __init__(self, args: Any, layer_id: int = 0):
         super().__init__()
-        self.attention = Attention(args)
-        # A mixture of experts when the family's args have experts (titanlite.models.moe).
+        # The attention registry's own projections where a kind has them (latent attention).
+        self.attention = attention.LAYERS.get(args.attention, Attention)(args)
+        # A mixture of experts when the family's args have experts (titanlite.models.moe),
+        # except in the first ``first_k_dense`` blocks (a SwiGLU of ``dense_hidden_dim``).
+        moe = getattr(args, "num_experts", 0) and layer_id >= getattr(args, "first_k_dense", 0)
         self.feed_forward: nn.Module = (
             MoE(args.dim, args)
-            if getattr(args, "num_experts", 0)
-            else FeedForward(args.dim, args.ffn_hidden_dim)
+            if moe
+            else FeedForward(args.dim, getattr(args, "dense_hidden_dim", 0) or args.ffn_hidden_dim)
         )
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
@@ -98,7 +101,9 @@ class Decoder(nn.Module):
             args.vocab_size, args.dim, _weight=torch.empty(args.vocab_size, args.dim)
         )
         # A dict keyed by layer index keeps names stable when layers are wrapped or pruned.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(args, i) for i in range(args.n_layers)}
+        )
         for i, block in self.layers.items():
             block.attention.layer_id = int(i)
             if isinstance(block.feed_forward, MoE):

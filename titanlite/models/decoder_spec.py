@@ -84,6 +84,24 @@ def check_decoder_shape(args: Any) -> None:
         raise ValueError("vocab_size must be set (it comes from the tokenizer)")
 
 
+def check_moe_routing(args: Any) -> None:
+    """ValueError naming the field for routing options the MoE layer cannot take."""
+    if args.n_groups < 1 or args.num_experts % args.n_groups:
+        raise ValueError(f"n_groups {args.n_groups} does not divide num_experts {args.num_experts}")
+    if not 1 <= args.topk_groups <= args.n_groups:
+        raise ValueError(f"topk_groups {args.topk_groups} must be between 1 and n_groups")
+    per_group = args.num_experts // args.n_groups
+    if args.top_k > args.topk_groups * per_group:
+        raise ValueError(
+            f"top_k {args.top_k} exceeds the {args.topk_groups * per_group} experts of "
+            f"topk_groups {args.topk_groups} groups"
+        )
+    if args.route_scale <= 0:
+        raise ValueError(f"route_scale must be > 0, got {args.route_scale}")
+    if not 0 <= args.first_k_dense <= args.n_layers:
+        raise ValueError(f"first_k_dense {args.first_k_dense} must be between 0 and n_layers")
+
+
 def decoder_spec(
     name: str,
     package: str,

@@ -15,13 +15,17 @@ from __future__ import annotations
 
 from titanlite.models.attention.causal import CausalAttention
 from titanlite.models.attention.kernels import chunk_attention, document_attention
-from titanlite.models.interfaces import AttentionCore
+from titanlite.models.interfaces import AttentionCore, AttentionLayer
 
 REGISTRY: dict[str, type[AttentionCore]] = {
     "sdpa": CausalAttention,
 }
+LAYERS: dict[str, type[AttentionLayer]] = {}
+"""Kinds whose projections differ from the shared decoder's q/k/v/o (``decoder.Attention``):
+the block builds this layer (from the family's args) instead, and it builds its core."""
 
 __all__ = [
+    "LAYERS",
     "REGISTRY",
     "AttentionCore",
     "CausalAttention",

@@ -2,8 +2,14 @@
 
 A linear router scores every expert for every token (softmax over the experts, or a sigmoid
 each), the token goes to its ``top_k`` experts, and their outputs are summed with the scores
-as weights (renormalized to sum to one with ``norm_topk``). Shared experts, if any, see every
-token. The experts are ``titanlite.models.moe.experts.GroupedExperts``.
+as weights (renormalized to sum to one with ``norm_topk``, then times ``route_scale``). Shared
+experts, if any, see every token. The experts are
+``titanlite.models.moe.experts.GroupedExperts``.
+
+Group-limited routing (DeepSeek-V3's ``n_groups`` / ``topk_groups``): the experts form
+``n_groups`` equal groups in index order; each group is rated by the sum of its two best
+choice scores (score plus routing bias), the token keeps its ``topk_groups`` best groups and
+picks its ``top_k`` experts among theirs. The weights stay the raw scores, never the bias.
 
 Balancing, both optional:
 - a sequence-wise auxiliary loss (DeepSeek-V3's): per sequence, ``coef * sum_e f_e * P_e`` with
@@ -68,6 +74,10 @@ class MoE(nn.Module):
         self.aux_loss_coef, self.capacity_factor = args.aux_loss_coef, args.capacity_factor
         self.bias_update_rate = args.bias_update_rate
         self.router_z_loss_coef = getattr(args, "router_z_loss_coef", 0.0)
+        # Options later families brought; a family without the field routes as before.
+        self.n_groups = getattr(args, "n_groups", 1)
+        self.topk_groups = getattr(args, "topk_groups", 1)
+        self.route_scale = getattr(args, "route_scale", 1.0)
         self.router = nn.Linear(dim, args.num_experts, bias=False)
         self.experts = GroupedExperts(args.num_experts, dim, args.moe_hidden_dim)
         self.shared = (
@@ -99,11 +109,17 @@ class MoE(nn.Module):
         flat = x.reshape(-1, dim)
         logits = self.router(flat).float()
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
-        choose = scores + self.expert_bias if self.bias_update_rate > 0 else scores
+        # The bias is zero unless balancing moved it or a checkpoint brought it (DeepSeek-V3's
+        # e_score_correction_bias): it steers the choice whenever it is set.
+        choose = scores + self.expert_bias
+        if self.n_groups > 1:
+            choose = self._within_best_groups(choose)
         chosen = torch.topk(choose, self.top_k, dim=-1).indices  # [tokens, k]
         weights = scores.gather(-1, chosen)
         if self.norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
+        if self.route_scale != 1.0:
+            weights = weights * self.route_scale
 
         slots = chosen.reshape(-1)  # token t's j-th choice is slot t * k + j
         counts = (  # on the meta device (a shape probe) no values: zeros of the shape
@@ -149,6 +165,15 @@ class MoE(nn.Module):
                 row = torch.cat([counts.float(), dropped.float().view(1), losses])
                 self.totals = row if self.totals is None else self.totals + row
         return out.view(bsz, seq, dim).to(x.dtype)
+
+    def _within_best_groups(self, choose: torch.Tensor) -> torch.Tensor:
+        """The choice scores [tokens, experts] with every expert outside the token's
+        ``topk_groups`` best groups set to -inf (a group rated by its two best scores)."""
+        groups = choose.view(choose.shape[0], self.n_groups, -1)
+        best_two = groups.topk(min(2, groups.shape[-1]), dim=-1).values.sum(-1)
+        kept = torch.topk(best_two, self.topk_groups, dim=-1).indices  # [tokens, topk_groups]
+        inside = torch.zeros_like(best_two, dtype=torch.bool).scatter_(1, kept, True)
+        return groups.masked_fill(~inside[..., None], -math.inf).view_as(choose)
 
     def _aux(self, scores: torch.Tensor, chosen: torch.Tensor, bsz: int, seq: int) -> torch.Tensor:
         """The sequence-wise balancing loss summed over this micro-batch's sequences."""

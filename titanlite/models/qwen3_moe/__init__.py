@@ -38,13 +38,16 @@ def moe_init_rule(args: Any, name: str) -> InitRule:
 def moe_flops_per_token(args: Any, seq_len: int) -> int:
     """The dense formula with the active expert width (top_k + shared experts), plus the
     router's matmul."""
-    return decoder_flops_per_token(args, seq_len) + 6 * args.n_layers * args.dim * args.num_experts
+    moe_layers = args.n_layers - args.first_k_dense
+    return decoder_flops_per_token(args, seq_len) + 6 * moe_layers * args.dim * args.num_experts
 
 
 def active_params(args: Any, total: int) -> int:
-    """Parameters one token uses: all but the experts it is not routed to."""
+    """Parameters one token uses: all but the experts it is not routed to (in the blocks
+    after the first ``first_k_dense``, which have none)."""
     unused = args.num_experts - args.top_k
-    return total - args.n_layers * unused * 3 * args.dim * args.moe_hidden_dim
+    moe_layers = args.n_layers - args.first_k_dense
+    return total - moe_layers * unused * 3 * args.dim * args.moe_hidden_dim
 
 
 SPEC = dataclasses.replace(

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from titanlite.models.decoder_spec import check_decoder_shape
+from titanlite.models.decoder_spec import check_decoder_shape, check_moe_routing
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
@@ -59,6 +59,15 @@ class Qwen3MoeArgs:
     router_z_loss_coef: float = 0.0
     """Weight of the router z-loss (ST-MoE): the mean over tokens of logsumexp(router logits)^2, summed over the layers (0 = none; 1e-3 is usual). Logged as moe_router_z_loss."""
 
+    n_groups: int = 1
+    """Group-limited routing: the experts form this many groups, each token chooses among those of its topk_groups best groups (a group rated by its two best scores); 1 = plain top-k."""
+    topk_groups: int = 1
+    """Groups each token's experts may come from (with n_groups > 1)."""
+    route_scale: float = 1.0
+    """The chosen experts' weights are multiplied by this (after any renormalization)."""
+    first_k_dense: int = 0
+    """The first this many blocks have a dense SwiGLU (of the active experts' width) instead of experts."""
+
     qk_norm: ClassVar[bool] = True
     rope_style: ClassVar[str] = "halves"
     attention: ClassVar[str] = "sdpa"  # the attention registry's causal core
@@ -87,6 +96,7 @@ class Qwen3MoeArgs:
                      "router_z_loss_coef"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        check_moe_routing(self)
         check_decoder_shape(self)
 
 
@@ -111,5 +121,5 @@ OVERRIDES = (
     "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "rope_theta", "norm_eps",
     "tie_embeddings", "num_experts", "top_k", "moe_hidden_dim", "score_func", "norm_topk",
     "shared_experts", "aux_loss_coef", "bias_update_rate", "capacity_factor",
-    "router_z_loss_coef",
+    "router_z_loss_coef", "n_groups", "topk_groups", "route_scale", "first_k_dense",
 )  # fmt: skip

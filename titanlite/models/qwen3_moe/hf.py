@@ -42,6 +42,9 @@ def _refuse_what_hf_lacks(args: Qwen3MoeArgs) -> None:
         "score_func": (args.score_func, "softmax"),
         "bias_update_rate": (args.bias_update_rate, 0.0),
         "capacity_factor": (args.capacity_factor, 0.0),
+        "n_groups": (args.n_groups, 1),
+        "route_scale": (args.route_scale, 1.0),
+        "first_k_dense": (args.first_k_dense, 0),
     }
     for key, (value, plain) in lacking.items():
         if value != plain:

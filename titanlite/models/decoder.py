@@ -27,6 +27,7 @@ from titanlite.models import attention
 from titanlite.models.interfaces import AttentionLayer, Heads
 from titanlite.models.layers import ROPE_STYLES, FeedForward, RMSNorm, rope_tables
 from titanlite.models.moe import MoE
+from titanlite.models.yarn import YaRN, yarn_tables
 
 
 class Attention(AttentionLayer):
@@ -113,7 +114,7 @@ class Decoder(nn.Module):
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # Not persistent: recomputed by init_buffers, never checkpointed.
-        rope = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
+        rope = rope_table(args)
         self.register_buffer("rope", rope.to(torch.empty(0).device), persistent=False)
 
     def forward(
@@ -141,11 +142,19 @@ class Decoder(nn.Module):
     def init_buffers(self) -> None:
         """Recompute the RoPE tables on the model's device (after to_empty from meta) and
         start the MoE routing biases at zero (a checkpoint load then overwrites them)."""
-        a = self.args
-        self.rope = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta).to(self.rope.device)
+        self.rope = rope_table(self.args).to(self.rope.device)
         for module in self.modules():
             if isinstance(module, MoE):
                 module.expert_bias.zero_()
+
+
+def rope_table(args: Any) -> torch.Tensor:
+    """The RoPE table of ``args``: YaRN-stretched when the family's args give ``yarn`` (its
+    keyword arguments, ``titanlite.models.yarn.YaRN``), else plain."""
+    yarn = getattr(args, "yarn", None)
+    if yarn is not None:
+        return yarn_tables(args.head_dim, args.max_seq_len, args.rope_theta, YaRN(**yarn))
+    return rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
 
 
 def build(args: Any) -> Decoder:

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 from titanlite.models.attention.causal import CausalAttention
 from titanlite.models.attention.kernels import chunk_attention, document_attention
+from titanlite.models.attention.latent import LatentAttention, LatentCore
 from titanlite.models.interfaces import AttentionCore, AttentionLayer
 
 REGISTRY: dict[str, type[AttentionCore]] = {
     "sdpa": CausalAttention,
+    "mla": LatentCore,
 }
-LAYERS: dict[str, type[AttentionLayer]] = {}
+LAYERS: dict[str, type[AttentionLayer]] = {"mla": LatentAttention}
 """Kinds whose projections differ from the shared decoder's q/k/v/o (``decoder.Attention``):
 the block builds this layer (from the family's args) instead, and it builds its core."""
 
@@ -29,6 +31,8 @@ __all__ = [
     "REGISTRY",
     "AttentionCore",
     "CausalAttention",
+    "LatentAttention",
+    "LatentCore",
     "build",
     "chunk_attention",
     "document_attention",

@@ -1,0 +1,267 @@
+"""Hugging Face adapter for DeepSeek-V3: titanlite state dicts and args <->
+``DeepseekV3ForCausalLM`` (also the format of Kimi K2's checkpoints).
+
+Names differ, and two layouts: Hugging Face keeps the key/value latent and the positional key
+as one matrix (``kv_a_proj_with_mqa``: the kv_lora_rank latent rows, then the
+qk_rope_head_dim positional rows), titanlite as ``wkv_a`` and ``wk_rope``; experts are
+written one [out, in] matrix per expert and projection, as in Qwen3-MoE (an import also takes
+transformers 5's fused in-memory layout). RoPE pairs are interleaved on both sides
+(``rope_interleave``), so no weight is permuted. The routing bias is the router's
+``e_score_correction_bias``.
+
+What Hugging Face's DeepSeek-V3 cannot express is refused on export: softmax scores (it is
+sigmoid only) and a capacity factor (it is dropless).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from titanlite.errors import UserError
+from titanlite.models import decoder_hf
+from titanlite.models.deepseek_v3.args import DeepseekV3Args
+from titanlite.models.qwen3_moe.hf import PROJECTIONS
+
+HF_MODEL_TYPE = "deepseek_v3"
+HF_ARCHITECTURE = "DeepseekV3ForCausalLM"
+
+ATTENTION_NAMES = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wq_a.weight": "self_attn.q_a_proj.weight",
+    "attention.q_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attention.wq_b.weight": "self_attn.q_b_proj.weight",
+    "attention.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+DENSE_NAMES = {f"feed_forward.{w}.weight": f"mlp.{p}.weight" for w, p in PROJECTIONS.items()}
+MOE_NAMES = {
+    "feed_forward.router.weight": "mlp.gate.weight",
+    "feed_forward.expert_bias": "mlp.gate.e_score_correction_bias",
+    **{f"feed_forward.shared.{w}.weight": f"mlp.shared_experts.{p}.weight"
+       for w, p in PROJECTIONS.items()},
+}  # fmt: skip
+KV_A = "self_attn.kv_a_proj_with_mqa.weight"
+_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+
+
+def layer_names(args: DeepseekV3Args, layer: int) -> dict[str, str]:
+    """titanlite -> HF names within block ``layer`` (the latent split and experts aside)."""
+    unused = ("attention.wq.",) if args.q_lora_rank else ("attention.wq_a", "attention.q_norm",
+                                                         "attention.wq_b")  # fmt: skip
+    names = {k: v for k, v in ATTENTION_NAMES.items() if not k.startswith(unused)}
+    return names | (DENSE_NAMES if layer < args.first_k_dense else MOE_NAMES)
+
+
+def _refuse_what_hf_lacks(args: DeepseekV3Args) -> None:
+    lacking = {
+        "score_func": (args.score_func, "sigmoid"),
+        "capacity_factor": (args.capacity_factor, 0.0),
+    }
+    for key, (value, plain) in lacking.items():
+        if value != plain:
+            raise UserError(
+                f"model.{key}={value!r}: Hugging Face's DeepSeek-V3 has no such option "
+                f"(needs {plain!r}), so this model cannot be exported to it"
+            )
+
+
+def to_hf_state_dict(
+    state: Mapping[str, torch.Tensor], args: DeepseekV3Args, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    _refuse_what_hf_lacks(args)
+
+    def put(name: str, tensor: torch.Tensor) -> None:
+        out[name] = tensor.detach().to(dtype=dtype or tensor.dtype).contiguous()
+
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if name in decoder_hf.TOP_NAMES:
+            if not (name == "output.weight" and args.tie_embeddings):
+                put(decoder_hf.TOP_NAMES[name], tensor)
+            continue
+        match = _LAYER.fullmatch(name)
+        if match is None:
+            raise KeyError(name)
+        layer, rest = int(match.group(1)), match.group(2)
+        prefix = f"model.layers.{layer}."
+        if rest == "attention.wkv_a.weight":
+            latent = torch.cat([tensor, state[f"layers.{layer}.attention.wk_rope.weight"]])
+            put(prefix + KV_A, latent)
+        elif rest.startswith("feed_forward.experts."):
+            for e, matrix in enumerate(tensor.detach()):  # [in, out] -> HF's [out, in]
+                put(f"{prefix}mlp.experts.{e}.{PROJECTIONS[rest[-2:]]}.weight", matrix.t())
+        elif rest != "attention.wk_rope.weight":
+            put(prefix + layer_names(args, layer)[rest], tensor)
+    return out
+
+
+def from_hf_state_dict(
+    state: Mapping[str, torch.Tensor], args: DeepseekV3Args
+) -> dict[str, torch.Tensor]:
+    given = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+    used: set[str] = set()
+
+    def take(name: str) -> torch.Tensor:
+        if name not in given:
+            raise UserError(f"tensor {name!r} is missing")
+        used.add(name)
+        return given[name]
+
+    out: dict[str, torch.Tensor] = {}
+    for name, hf in decoder_hf.TOP_NAMES.items():
+        if name == "output.weight" and args.tie_embeddings and hf not in given:
+            continue
+        out[name] = take(hf)
+    for layer in range(args.n_layers):
+        prefix = f"model.layers.{layer}."
+        for name, hf in layer_names(args, layer).items():
+            out[f"layers.{layer}.{name}"] = take(prefix + hf)
+        latent, rope = take(prefix + KV_A).split([args.kv_lora_rank, args.qk_rope_head_dim])
+        out[f"layers.{layer}.attention.wkv_a.weight"] = latent
+        out[f"layers.{layer}.attention.wk_rope.weight"] = rope
+        if layer >= args.first_k_dense:
+            out.update(_experts(given, take, args, layer))
+    if args.tie_embeddings:
+        out["output.weight"] = out["tok_embeddings.weight"]
+    stray = sorted(set(given) - used)
+    if stray:
+        raise UserError(f"unexpected tensors for a DeepSeek-V3 model: {', '.join(stray[:5])}")
+    return out
+
+
+def _experts(
+    given: Mapping[str, torch.Tensor], take: Any, args: DeepseekV3Args, layer: int
+) -> dict[str, torch.Tensor]:
+    prefix = f"model.layers.{layer}.mlp.experts."
+    out = {}
+    for weight, proj in PROJECTIONS.items():
+        if prefix + "gate_up_proj" in given:  # transformers 5's in-memory layout
+            if weight == "w2":
+                stacked = take(prefix + "down_proj")
+            else:
+                gate, up = take(prefix + "gate_up_proj").chunk(2, dim=1)
+                stacked = gate if weight == "w1" else up
+        else:
+            stacked = torch.stack(
+                [take(f"{prefix}{e}.{proj}.weight") for e in range(args.num_experts)]
+            )
+        out[f"layers.{layer}.feed_forward.experts.{weight}"] = stacked.transpose(1, 2)
+    return out
+
+
+def _rope_parameters(args: DeepseekV3Args) -> dict[str, Any]:
+    if args.yarn is None:
+        return {"rope_type": "default", "rope_theta": args.rope_theta}
+    return {
+        "rope_type": "yarn", "rope_theta": args.rope_theta, "factor": args.rope_factor,
+        "original_max_position_embeddings": args.rope_original_seq_len,
+        "beta_fast": args.rope_beta_fast, "beta_slow": args.rope_beta_slow,
+        "mscale": args.rope_mscale, "mscale_all_dim": args.rope_mscale_all_dim,
+    }  # fmt: skip
+
+
+def to_hf_config(
+    args: DeepseekV3Args,
+    special_ids: Mapping[str, int | None] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, Any]:
+    _refuse_what_hf_lacks(args)
+    rope = _rope_parameters(args)
+    return {
+        "architectures": [HF_ARCHITECTURE],
+        "model_type": HF_MODEL_TYPE,
+        **decoder_hf.common_hf_config(args, special_ids or {}, dtype),
+        "intermediate_size": args.dense_hidden_dim,
+        "moe_intermediate_size": args.moe_hidden_dim,
+        "rope_parameters": rope,
+        "rope_scaling": None if args.yarn is None else {**rope, "type": "yarn"},
+        "rope_interleave": True,
+        "q_lora_rank": args.q_lora_rank or None,
+        "kv_lora_rank": args.kv_lora_rank,
+        "qk_nope_head_dim": args.qk_nope_head_dim,
+        "qk_rope_head_dim": args.qk_rope_head_dim,
+        "v_head_dim": args.v_head_dim,
+        "n_routed_experts": args.num_experts,
+        "num_experts_per_tok": args.top_k,
+        "n_shared_experts": args.shared_experts,
+        "first_k_dense_replace": args.first_k_dense,
+        "n_group": args.n_groups,
+        "topk_group": args.topk_groups,
+        "norm_topk_prob": args.norm_topk,
+        "routed_scaling_factor": args.route_scale,
+        "scoring_func": args.score_func,
+        "topk_method": "noaux_tc",
+        "num_nextn_predict_layers": 0,
+    }
+
+
+def from_hf_config(config: Mapping[str, Any]) -> DeepseekV3Args:
+    """DeepseekV3Args of an HF DeepSeek-V3 ``config.json``; UserError for what titanlite
+    can't run."""
+    decoder_hf.require_family(config, HF_MODEL_TYPE, HF_ARCHITECTURE)
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+
+    def build() -> DeepseekV3Args:
+        yarn = {}
+        if rope_type == "yarn":
+            yarn = dict(
+                rope_factor=float(rope["factor"]),
+                rope_original_seq_len=int(rope["original_max_position_embeddings"]),
+                rope_beta_fast=float(rope.get("beta_fast") or 32),
+                rope_beta_slow=float(rope.get("beta_slow") or 1),
+                rope_mscale=float(rope.get("mscale") or 1.0),
+                rope_mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
+            )
+        return DeepseekV3Args(
+            dim=int(config["hidden_size"]),
+            n_layers=int(config["num_hidden_layers"]),
+            n_heads=int(config["num_attention_heads"]),
+            vocab_size=int(config["vocab_size"]),
+            norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=decoder_hf.rope_theta(config, 10_000.0),
+            max_seq_len=int(config.get("max_position_embeddings", 4096)),
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            q_lora_rank=int(config.get("q_lora_rank") or 0),
+            kv_lora_rank=int(config["kv_lora_rank"]),
+            qk_nope_head_dim=int(config["qk_nope_head_dim"]),
+            qk_rope_head_dim=int(config["qk_rope_head_dim"]),
+            v_head_dim=int(config["v_head_dim"]),
+            dense_hidden_dim=int(config["intermediate_size"]),
+            first_k_dense=int(config.get("first_k_dense_replace", 0)),
+            num_experts=int(config["n_routed_experts"]),
+            top_k=int(config["num_experts_per_tok"]),
+            moe_hidden_dim=int(config["moe_intermediate_size"]),
+            shared_experts=int(config.get("n_shared_experts") or 0),
+            norm_topk=bool(config.get("norm_topk_prob", True)),
+            n_groups=int(config.get("n_group") or 1),
+            topk_groups=int(config.get("topk_group") or 1),
+            route_scale=float(config.get("routed_scaling_factor", 1.0)),
+            **yarn,
+        )
+
+    args = decoder_hf.read_fields(config, build)
+    supported = {  # key: (the config's value, the values titanlite runs)
+        "rope_interleave": (bool(config.get("rope_interleave", True)), (True,)),
+        "rope_type": (rope_type, ("default", "yarn")),
+        "scoring_func": (config.get("scoring_func", "sigmoid"), ("sigmoid",)),
+        "num_key_value_heads": (int(config.get("num_key_value_heads") or args.n_heads),
+                                (args.n_heads,)),
+        "hidden_act": (config.get("hidden_act", "silu"), ("silu",)),
+        "attention_bias": (bool(config.get("attention_bias", False)), (False,)),
+    }  # fmt: skip
+    for key, (value, runs) in supported.items():
+        if value not in runs:
+            raise UserError(f"config.json {key}={value!r} is not supported (needs {runs[0]!r})")
+    try:
+        args.check()
+    except ValueError as e:
+        raise UserError(f"config.json: {e}") from None
+    return args

@@ -54,6 +54,9 @@ TPStyle = Literal[
     "output",  # the vocabulary projection (logits sharded under loss parallel)
     "local_tokens",  # runs whole on this rank's sequence shard (a mixture of experts routes
     # its own tokens); its weights are not split and their gradients are summed over TP
+    "latent",  # runs whole on the gathered sequence, weights replicated (latent attention's
+    # compressing projections and norms), output handed on replicated to a colwise module
+    "latent_local",  # the same, output used by this rank's heads only (partial gradients)
 ]
 
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -54,6 +54,32 @@ class _SequenceShards:
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(tensor, group=self.group)
         return tensor
+
+
+class Latent(ParallelStyle):
+    """A module every TP rank runs whole on the whole (gathered) sequence: a latent
+    projection of latent attention or its norm. Weights replicated; inputs taken as
+    replicated. Its output stays a replicated DTensor when a head-split projection consumes
+    it (that projection's input gradient, a partial sum over the ranks' heads, then reaches
+    these weights as one); ``local_output`` hands on a local tensor that this rank's heads
+    use alone, whose gradient is therefore marked a partial sum."""
+
+    def __init__(self, local_output: bool) -> None:
+        super().__init__()
+        self.local_output = local_output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def replicate_inputs(_: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> Any:
+            return tuple(
+                a if isinstance(a, DTensor) or not isinstance(a, torch.Tensor)
+                else DTensor.from_local(a, mesh, [Replicate()], run_check=False)
+                for a in inputs
+            )  # fmt: skip
+
+        def hand_on(_: nn.Module, out: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+            return out.to_local(grad_placements=[Partial()]) if self.local_output else out
+
+        return distribute_module(module, device_mesh, input_fn=replicate_inputs, output_fn=hand_on)
 
 
 def _local_inputs(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -95,6 +121,8 @@ def _style(name: TPStyle, loss_parallel: bool) -> ParallelStyle:
         )
     if name == "local_tokens":
         return LocalTokens()
+    if name in ("latent", "latent_local"):
+        return Latent(local_output=name == "latent_local")
     raise ValueError(f"unknown tensor-parallel style {name!r}")
 
 
@@ -133,7 +161,8 @@ def apply_tp(model: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh, loss_parall
     parallelize_module(model, tp_mesh, root)
     block_plan = {path: _style(s, loss_parallel) for path, s in plan.block.items()}
     for block in getattr(model, spec.blocks).values():
-        parallelize_module(block, tp_mesh, block_plan)
+        # A plan may name alternatives (a full-rank or a low-rank query): those present.
+        parallelize_module(block, tp_mesh, {p: s for p, s in block_plan.items() if _has(block, p)})
     # Tied weights (embedding and output) are both split along the vocabulary, so the
     # owner's shards serve the alias too.
     retie(model, tied)

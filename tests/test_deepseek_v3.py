@@ -69,17 +69,23 @@ def test_latent_core_is_softmax_attention_with_its_scale_and_value_size() -> Non
     torch.testing.assert_close(core(q, k, v, documents), split, atol=1e-5, rtol=1e-5)
 
 
-# Published totals (config.json shapes; the model cards' counts, in billions).
-PUBLISHED = {"16B": (102400, 15.7), "671B": (129280, 671.0), "kimi_k2": (163840, 1026.0)}
+# Published totals in billions (DeepSeek-V2 paper for V2-Lite, DeepSeek-V3's model card without
+# its 14 B MTP module, Kimi K2's technical report) and how close the shapes come: Kimi's 1.04 T
+# is 1.3% above its config.json's shapes (docs/models.md).
+PUBLISHED = {
+    "16B": (102400, 15.7, 0.005),
+    "671B": (129280, 671.0, 0.005),
+    "kimi_k2": (163840, 1040.0, 0.015),
+}
 
 
 @pytest.mark.parametrize("flavor", list(PUBLISHED))
 def test_published_parameter_counts(flavor: str) -> None:
-    vocab, total_b = PUBLISHED[flavor]
+    vocab, total_b, within = PUBLISHED[flavor]
     args = SPEC.make_args(flavor, vocab, 4096, {})
     with torch.device("meta"):
         total = count_params(SPEC.build(args))
-    assert abs(total / 1e9 - total_b) / total_b < 0.005, total
+    assert abs(total / 1e9 - total_b) / total_b < within, total
     active = SPEC.active_params(args, total)
     assert SPEC.flops_per_token(args, 1) < 6.2 * active < 0.3 * 6 * total
 

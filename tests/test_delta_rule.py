@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from titanlite.models.attention.delta_rule import chunk_gated_delta_rule, document_starts
+from titanlite.models.attention import delta_rule
+from titanlite.models.attention.delta_rule import document_starts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -28,6 +29,10 @@ def stepwise(q, k, v, g, beta, initial_state=None, resets=None):  # noqa: ANN001
         state = state + torch.einsum("bhk,bhv->bhkv", k[:, :, t], correction)
         outs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, :, t]))
     return torch.stack(outs, dim=2), state
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, **options):  # noqa: ANN001, ANN003, ANN201
+    return delta_rule.chunk_gated_delta_rule(q, k, v, g=g, beta=beta, **options)
 
 
 def inputs(T: int, seed: int = 0) -> list[torch.Tensor]:

@@ -54,6 +54,8 @@ TPStyle = Literal[
     "output",  # the vocabulary projection (logits sharded under loss parallel)
     "local_tokens",  # runs whole on this rank's sequence shard (a mixture of experts routes
     # its own tokens); its weights are not split and their gradients are summed over TP
+    "channels",  # per-channel weights (a depthwise convolution, per-head decays) split along
+    # dim 0 like the colwise projection feeding them; the module reads its local rows
 ]
 
 

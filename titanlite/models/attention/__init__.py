@@ -14,17 +14,20 @@ implement ``attend``; for QK-clip, ``attend`` calls ``kernels.record_max_logits`
 from __future__ import annotations
 
 from titanlite.models.attention.causal import CausalAttention
+from titanlite.models.attention.gated_delta import GatedDeltaAttention
 from titanlite.models.attention.kernels import chunk_attention, document_attention
 from titanlite.models.interfaces import AttentionCore
 
 REGISTRY: dict[str, type[AttentionCore]] = {
     "sdpa": CausalAttention,
+    "gated_delta": GatedDeltaAttention,
 }
 
 __all__ = [
     "REGISTRY",
     "AttentionCore",
     "CausalAttention",
+    "GatedDeltaAttention",
     "build",
     "chunk_attention",
     "document_attention",

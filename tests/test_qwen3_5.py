@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import train_scenarios
+from pool import get_pool
 
 from titanlite.interop.checkpoint_model import load_checkpoint_model
 from titanlite.models import get
@@ -125,3 +127,29 @@ def test_export_import_through_transformers_gives_equal_logits(tmp_path: Path) -
     assert back.spec.name == "qwen3_5"
     with torch.no_grad():
         assert torch.equal(back.model(x), ours)
+
+
+@pytest.mark.slow
+def test_fsdp_by_tensor_parallel_matches_one_process(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """dp_shard 2 x tp 2 trains like one process (fp32): both layer kinds split by heads,
+    the DeltaNet convolution and decays by channel (the TP plan's "channels")."""
+    from test_parity import COMMON, METRICS, STEPS, Layout, assert_parity
+
+    model = (
+        "--model.name", "qwen3_5", "--model.dim", "64", "--model.n_layers", "4",
+        "--model.n_heads", "4", "--model.n_kv_heads", "2", "--model.head_dim", "16",
+        "--model.hidden_dim", "96", "--model.linear_k_heads", "2", "--model.linear_v_heads",
+        "4", "--model.linear_k_dim", "8", "--model.linear_v_dim", "8", "--model.chunk_size",
+        "16",
+    )  # fmt: skip
+    curves = {}
+    for layout in (Layout(), Layout(shard=2, tp=2)):
+        folder = tmp_path_factory.mktemp("qwen3_5")
+        argv = [*model, *COMMON, "--job.dump_folder", str(folder), *layout.args()]
+        run = get_pool(layout.ngpu).run(train_scenarios.train, argv=argv)[0]
+        assert [r["step"] for r in run["records"]] == list(range(1, STEPS + 1))
+        curves[layout.name] = {m: [float(r[m]) for r in run["records"]] for m in METRICS}
+    assert len(set(curves["1 process"]["loss"])) == STEPS
+    assert_parity("qwen3_5 dp_shard=2 x tp=2", curves["1 process"], curves["dp_shard=2 x tp=2"])

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -54,6 +54,19 @@ class _SequenceShards:
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(tensor, group=self.group)
         return tensor
+
+
+class ShardChannels(ParallelStyle):
+    """The module's own per-channel parameters (a depthwise convolution's taps, per-head
+    decays) split along dim 0 in the order a colwise projection splits its outputs, so each
+    rank holds the rows of its own heads; the module reads them with ``to_local`` and runs
+    on the local tensors the projections give it."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param.data, device_mesh, [Shard(0)])
+            module.register_parameter(name, nn.Parameter(sharded, param.requires_grad))
+        return module
 
 
 def _local_inputs(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -95,6 +108,8 @@ def _style(name: TPStyle, loss_parallel: bool) -> ParallelStyle:
         )
     if name == "local_tokens":
         return LocalTokens()
+    if name == "channels":
+        return ShardChannels()
     raise ValueError(f"unknown tensor-parallel style {name!r}")
 
 
@@ -133,7 +148,9 @@ def apply_tp(model: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh, loss_parall
     parallelize_module(model, tp_mesh, root)
     block_plan = {path: _style(s, loss_parallel) for path, s in plan.block.items()}
     for block in getattr(model, spec.blocks).values():
-        parallelize_module(block, tp_mesh, block_plan)
+        # A hybrid's blocks differ (attention or linear attention): each takes its paths.
+        present = {path: style for path, style in block_plan.items() if _has(block, path)}
+        parallelize_module(block, tp_mesh, present)
     # Tied weights (embedding and output) are both split along the vocabulary, so the
     # owner's shards serve the alias too.
     retie(model, tied)

@@ -56,6 +56,7 @@ class Qwen35Args:
     chunk_size: int = 64
     """Tokens the chunked delta rule processes at once (a speed setting: results are equal)."""
 
+    qk_norm: ClassVar[bool] = True  # zero-centered RMSNorm of each query and key head
     rope_style: ClassVar[str] = "halves"  # rotate_half on the rotated part, as Hugging Face
     attention: ClassVar[str] = "sdpa"  # the full-attention layers' core
     linear_attention: ClassVar[str] = "gated_delta"  # the linear layers' core

@@ -57,6 +57,8 @@ TPStyle = Literal[
     "latent",  # runs whole on the gathered sequence, weights replicated (latent attention's
     # compressing projections and norms), output handed on replicated to a colwise module
     "latent_local",  # the same, output used by this rank's heads only (partial gradients)
+    "channels",  # per-channel weights (a depthwise convolution, per-head decays) split along
+    # dim 0 like the colwise projection feeding them; the module reads its local rows
 ]
 
 

@@ -15,7 +15,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -80,6 +87,17 @@ class Latent(ParallelStyle):
             return out.to_local(grad_placements=[Partial()]) if self.local_output else out
 
         return distribute_module(module, device_mesh, input_fn=replicate_inputs, output_fn=hand_on)
+class ShardChannels(ParallelStyle):
+    """The module's own per-channel parameters (a depthwise convolution's taps, per-head
+    decays) split along dim 0 in the order a colwise projection splits its outputs, so each
+    rank holds the rows of its own heads; the module reads them with ``to_local`` and runs
+    on the local tensors the projections give it."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param.data, device_mesh, [Shard(0)])
+            module.register_parameter(name, nn.Parameter(sharded, param.requires_grad))
+        return module
 
 
 def _local_inputs(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -123,6 +141,8 @@ def _style(name: TPStyle, loss_parallel: bool) -> ParallelStyle:
         return LocalTokens()
     if name in ("latent", "latent_local"):
         return Latent(local_output=name == "latent_local")
+    if name == "channels":
+        return ShardChannels()
     raise ValueError(f"unknown tensor-parallel style {name!r}")
 
 
@@ -161,8 +181,9 @@ def apply_tp(model: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh, loss_parall
     parallelize_module(model, tp_mesh, root)
     block_plan = {path: _style(s, loss_parallel) for path, s in plan.block.items()}
     for block in getattr(model, spec.blocks).values():
-        # A plan may name alternatives (a full-rank or a low-rank query): those present.
-        parallelize_module(block, tp_mesh, {p: s for p, s in block_plan.items() if _has(block, p)})
+        # A hybrid's blocks differ (attention or linear attention): each takes its paths.
+        present = {path: style for path, style in block_plan.items() if _has(block, path)}
+        parallelize_module(block, tp_mesh, present)
     # Tied weights (embedding and output) are both split along the vocabulary, so the
     # owner's shards serve the alias too.
     retie(model, tied)

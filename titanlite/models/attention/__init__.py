@@ -14,6 +14,7 @@ implement ``attend``; for QK-clip, ``attend`` calls ``kernels.record_max_logits`
 from __future__ import annotations
 
 from titanlite.models.attention.causal import CausalAttention
+from titanlite.models.attention.gated_delta import GatedDeltaAttention
 from titanlite.models.attention.kernels import chunk_attention, document_attention
 from titanlite.models.attention.latent import LatentAttention, LatentCore
 from titanlite.models.interfaces import AttentionCore, AttentionLayer
@@ -21,6 +22,7 @@ from titanlite.models.interfaces import AttentionCore, AttentionLayer
 REGISTRY: dict[str, type[AttentionCore]] = {
     "sdpa": CausalAttention,
     "mla": LatentCore,
+    "gated_delta": GatedDeltaAttention,
 }
 LAYERS: dict[str, type[AttentionLayer]] = {"mla": LatentAttention}
 """Kinds whose projections differ from the shared decoder's q/k/v/o (``decoder.Attention``):
@@ -33,6 +35,7 @@ __all__ = [
     "CausalAttention",
     "LatentAttention",
     "LatentCore",
+    "GatedDeltaAttention",
     "build",
     "chunk_attention",
     "document_attention",

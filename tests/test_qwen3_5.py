@@ -1,0 +1,155 @@
+"""The Qwen3.5 family: the Gated DeltaNet and gated-attention layers, published sizes, and a
+round trip through transformers' Qwen3_5ForCausalLM with equal logits."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import train_scenarios
+from pool import get_pool
+
+from titanlite.interop.checkpoint_model import load_checkpoint_model
+from titanlite.models import get
+from titanlite.models.init import init_parameters
+from titanlite.models.layers import count_params
+from titanlite.models.qwen3_5.args import QWEN35_VOCAB, Qwen35Args
+from titanlite.models.qwen3_5.hf import from_hf_config, to_hf_config
+from titanlite.models.qwen3_5.model import HybridDecoder, ShortConv
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+import convert_from_hf  # noqa: E402
+import convert_to_hf  # noqa: E402
+from test_qwen3 import write_checkpoint  # noqa: E402
+
+QWEN35 = get("qwen3_5")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*assuming the intent is to:UserWarning"),
+    pytest.mark.usefixtures("one_thread"),
+]
+
+
+def tiny_args(**changes: object) -> Qwen35Args:
+    base: dict = dict(
+        dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=96,
+        linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=12, chunk_size=8,
+        vocab_size=4096, max_seq_len=128, tie_embeddings=True, rope_theta=10_000.0,
+    )  # fmt: skip
+    return Qwen35Args(**(base | changes))
+
+
+def tiny_model(args: Qwen35Args, seed: int = 0) -> HybridDecoder:
+    model = HybridDecoder(args)
+    init_parameters(model, lambda name: QWEN35.init_rule(args, name), seed)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # every norm and decay visibly off its start, so mistakes show
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "A_log", "dt_bias")):
+                p.copy_(torch.rand(p.shape, generator=gen) - 0.5)
+            elif name.endswith(("wq.weight", "wk.weight")):
+                p.mul_(20)
+    return model
+
+
+# Published totals, in billions, from the model names (Qwen3.5 model cards).
+PUBLISHED = {"27B": 27.0}
+
+
+@pytest.mark.parametrize("flavor", sorted(PUBLISHED))
+def test_published_parameter_counts(flavor: str) -> None:
+    args = QWEN35.make_args(flavor, QWEN35_VOCAB, 4096, {})
+    with torch.device("meta"):
+        total = count_params(QWEN35.build(args))
+    assert abs(total / 1e9 - PUBLISHED[flavor]) <= 0.005 * PUBLISHED[flavor], total
+    assert [args.is_full_attention(i) for i in range(8)] == [False, False, False, True] * 2
+
+
+def test_convolution_restarts_at_documents() -> None:
+    """A tap never reaches into the document before; within one document the taps equal a
+    causal depthwise convolution."""
+    conv = ShortConv({"x": 6}, 4)
+    torch.nn.init.normal_(conv.x)
+    x = torch.randn(1, 10, 6)
+    documents = torch.tensor([[0] * 4 + [1] * 6])
+    reference = torch.nn.functional.conv1d(
+        torch.nn.functional.pad(x.transpose(1, 2), (3, 0)), conv.x.unsqueeze(1), groups=6
+    )
+    whole = conv("x", x)
+    torch.testing.assert_close(whole, torch.nn.functional.silu(reference.transpose(1, 2)))
+    split = conv("x", x, documents)
+    torch.testing.assert_close(split[:, 4:], conv("x", x[:, 4:]))
+    torch.testing.assert_close(split[:, :4], whole[:, :4])
+
+
+def test_documents_are_independent() -> None:
+    """With document ids, a document's logits are those of the model run on it alone (the
+    DeltaNet state, the convolution and attention all restart)."""
+    model = tiny_model(tiny_args())
+    x = torch.randint(0, 4096, (1, 20), generator=torch.Generator().manual_seed(3))
+    documents = torch.tensor([[0] * 7 + [1] * 13])
+    positions = torch.cat([torch.arange(7), torch.arange(13)])
+    with torch.no_grad():
+        packed = model(x, positions=positions, documents=documents)
+        alone = model(x[:, 7:])
+    torch.testing.assert_close(packed[:, 7:], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_config_round_trip() -> None:
+    args = tiny_args(tie_embeddings=False)
+    assert from_hf_config(to_hf_config(args)) == dataclasses.replace(args, chunk_size=64)
+
+
+@pytest.mark.slow
+def test_export_import_through_transformers_gives_equal_logits(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    model = tiny_model(tiny_args(tie_embeddings=False), seed=1)
+    ckpt = write_checkpoint(tmp_path / "step-3", model)
+    (ckpt / "titanlite.json").write_text(
+        (ckpt / "titanlite.json").read_text().replace('"qwen3"', '"qwen3_5"')
+    )
+    out = tmp_path / "hf"
+    assert convert_to_hf.main([str(ckpt), str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    hf = transformers.Qwen3_5ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    x = torch.randint(4, 4096, (2, 21), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = model(x), hf(x).logits.float()
+    scale = ours.abs().max().item()
+    assert (ours - theirs).abs().max().item() <= 1e-5 * scale
+    assert convert_from_hf.main([str(out), str(tmp_path / "back")]) == 0
+    back = load_checkpoint_model(tmp_path / "back")
+    assert back.spec.name == "qwen3_5"
+    with torch.no_grad():
+        assert torch.equal(back.model(x), ours)
+
+
+@pytest.mark.slow
+def test_fsdp_by_tensor_parallel_matches_one_process(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """dp_shard 2 x tp 2 trains like one process (fp32): both layer kinds split by heads,
+    the DeltaNet convolution and decays by channel (the TP plan's "channels")."""
+    from test_parity import COMMON, METRICS, STEPS, Layout, assert_parity
+
+    model = (
+        "--model.name", "qwen3_5", "--model.dim", "64", "--model.n_layers", "4",
+        "--model.n_heads", "4", "--model.n_kv_heads", "2", "--model.head_dim", "16",
+        "--model.hidden_dim", "96", "--model.linear_k_heads", "2", "--model.linear_v_heads",
+        "4", "--model.linear_k_dim", "8", "--model.linear_v_dim", "8", "--model.chunk_size",
+        "16",
+    )  # fmt: skip
+    curves = {}
+    for layout in (Layout(), Layout(shard=2, tp=2)):
+        folder = tmp_path_factory.mktemp("qwen3_5")
+        argv = [*model, *COMMON, "--job.dump_folder", str(folder), *layout.args()]
+        run = get_pool(layout.ngpu).run(train_scenarios.train, argv=argv)[0]
+        assert [r["step"] for r in run["records"]] == list(range(1, STEPS + 1))
+        curves[layout.name] = {m: [float(r[m]) for r in run["records"]] for m in METRICS}
+    assert len(set(curves["1 process"]["loss"])) == STEPS
+    assert_parity("qwen3_5 dp_shard=2 x tp=2", curves["1 process"], curves["dp_shard=2 x tp=2"])

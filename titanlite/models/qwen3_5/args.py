@@ -1,0 +1,112 @@
+"""Qwen3.5 (text) shapes: Qwen35Args and the flavors (plain Python, no torch).
+
+Qwen3.5 is a hybrid: of every ``full_attention_interval`` layers, the last is gated full
+attention (Qwen3's attention with a sigmoid output gate, RoPE on a quarter of each head,
+zero-centered q/k norms) and the others are Gated DeltaNet linear attention, whose state
+has a fixed size whatever the sequence (``titanlite.models.qwen3_5.model``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from titanlite.models.decoder_spec import check_decoder_shape
+
+QWEN35_VOCAB = 248320
+"""The vocabulary of Qwen3.5's own tokenizer (the published parameter counts assume it)."""
+
+
+@dataclass
+class Qwen35Args:
+    dim: int = 5120
+    """Hidden size (the width of the residual stream)."""
+    n_layers: int = 64
+    """Number of blocks (linear and full attention together)."""
+    n_heads: int = 24
+    """Query heads of the full-attention layers."""
+    n_kv_heads: int = 4
+    """Key/value heads of the full-attention layers (grouped-query attention)."""
+    head_dim: int = 256
+    """Head size of the full-attention layers."""
+    hidden_dim: int = 17408
+    """Feed-forward (SwiGLU) width."""
+    vocab_size: int = -1  # set from the tokenizer
+    norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    rope_theta: float = 10_000_000.0
+    """RoPE base frequency."""
+    partial_rotary: float = 0.25
+    """Share of each full-attention head that RoPE rotates (the first dimensions)."""
+    max_seq_len: int = 4096
+    tie_embeddings: bool = False
+    """The output projection shares the token embedding's weight."""
+    full_attention_interval: int = 4
+    """Every this-many-th layer is full attention, the others Gated DeltaNet (4: 3 : 1)."""
+    linear_k_heads: int = 16
+    """Query/key heads of the Gated DeltaNet layers."""
+    linear_v_heads: int = 48
+    """Value heads of the Gated DeltaNet layers (a multiple of linear_k_heads)."""
+    linear_k_dim: int = 128
+    """Query/key head size of the Gated DeltaNet layers."""
+    linear_v_dim: int = 128
+    """Value head size of the Gated DeltaNet layers."""
+    conv_kernel: int = 4
+    """Width of the short causal depthwise convolution on the DeltaNet queries, keys, values."""
+    chunk_size: int = 64
+    """Tokens the chunked delta rule processes at once (a speed setting: results are equal)."""
+
+    qk_norm: ClassVar[bool] = True  # zero-centered RMSNorm of each query and key head
+    rope_style: ClassVar[str] = "halves"  # rotate_half on the rotated part, as Hugging Face
+    attention: ClassVar[str] = "sdpa"  # the full-attention layers' core
+    linear_attention: ClassVar[str] = "gated_delta"  # the linear layers' core
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        return self.hidden_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """Dimensions of each head RoPE rotates."""
+        return int(self.head_dim * self.partial_rotary)
+
+    def is_full_attention(self, layer: int) -> bool:
+        return (layer + 1) % self.full_attention_interval == 0
+
+    def check(self) -> None:
+        """Raise ValueError naming the field for shapes the architecture cannot take."""
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim",
+                     "full_attention_interval", "linear_k_heads", "linear_v_heads",
+                     "linear_k_dim", "linear_v_dim", "conv_kernel", "chunk_size"):  # fmt: skip
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.linear_v_heads % self.linear_k_heads:
+            raise ValueError(f"linear_v_heads {self.linear_v_heads} is not divisible by "
+                             f"linear_k_heads {self.linear_k_heads}")  # fmt: skip
+        if not 0 < self.partial_rotary <= 1 or self.rope_dim % 2:
+            raise ValueError(f"partial_rotary {self.partial_rotary} must leave an even number "
+                             f"of rotated dimensions in (0, head_dim]")  # fmt: skip
+        check_decoder_shape(self)
+
+
+# Published shapes: Qwen3.5-27B's config.json (text_config), plus a small CPU flavor.
+FLAVORS: dict[str, Qwen35Args] = {
+    # About 5 M parameters with the shipped 4 K tokenizer: 3 DeltaNet layers, 1 full.
+    "debugmodel": Qwen35Args(
+        dim=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64, hidden_dim=768,
+        linear_k_heads=4, linear_v_heads=8, linear_k_dim=32, linear_v_dim=32,
+        tie_embeddings=True, rope_theta=10_000.0,
+    ),
+    "27B": Qwen35Args(max_seq_len=262144),
+}  # fmt: skip
+
+OVERRIDES = (
+    "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim", "rope_theta",
+    "norm_eps", "tie_embeddings", "partial_rotary", "full_attention_interval",
+    "linear_k_heads", "linear_v_heads", "linear_k_dim", "linear_v_dim", "conv_kernel",
+    "chunk_size",
+)  # fmt: skip

@@ -87,6 +87,8 @@ class Latent(ParallelStyle):
             return out.to_local(grad_placements=[Partial()]) if self.local_output else out
 
         return distribute_module(module, device_mesh, input_fn=replicate_inputs, output_fn=hand_on)
+
+
 class ShardChannels(ParallelStyle):
     """The module's own per-channel parameters (a depthwise convolution's taps, per-head
     decays) split along dim 0 in the order a colwise projection splits its outputs, so each

@@ -12,7 +12,8 @@ A family's args object provides dim, n_layers, n_heads, kv_heads, head_dim, ffn_
 vocab_size, norm_eps, rope_theta, max_seq_len, tie_embeddings, and the class constants
 qk_norm (per-head RMSNorm on queries and keys), rope_style ("interleaved" pairs as in Meta's
 Llama, or "halves" as in Hugging Face's rotate_half) and attention (the registry name of the
-attention core). A family whose spec names this module as its ``model_module`` needs no
+attention core), and the attention options of ``decoder_spec.AttentionVariants`` (sliding
+window per layer, sinks). A family whose spec names this module as its ``model_module`` needs no
 modules of its own.
 """
 
@@ -30,8 +31,9 @@ from titanlite.models.moe import MoE
 
 
 class Attention(AttentionLayer):
-    def __init__(self, args: Any):
+    def __init__(self, args: Any, layer_id: int = 0):
         super().__init__()
+        self.layer_id = layer_id
         self.head_dim = args.head_dim
         self.rotate = ROPE_STYLES[args.rope_style]
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
@@ -43,7 +45,7 @@ class Attention(AttentionLayer):
             self.k_norm = RMSNorm(self.head_dim, args.norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.core = attention.build(args.attention)
+        self.core = attention.for_layer(args, layer_id)
 
     def heads(self) -> Heads:
         return Heads(self.head_dim, self.wq.weight, self.wk.weight, self.wv.weight, self.wo.weight)
@@ -66,9 +68,9 @@ class Attention(AttentionLayer):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: Any):
+    def __init__(self, args: Any, layer_id: int = 0):
         super().__init__()
-        self.attention = Attention(args)
+        self.attention = Attention(args, layer_id)
         # A mixture of experts when the family's args have experts (titanlite.models.moe).
         self.feed_forward: nn.Module = (
             MoE(args.dim, args)
@@ -98,11 +100,13 @@ class Decoder(nn.Module):
             args.vocab_size, args.dim, _weight=torch.empty(args.vocab_size, args.dim)
         )
         # A dict keyed by layer index keeps names stable when layers are wrapped or pruned.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(args, i) for i in range(args.n_layers)}
+        )
         for i, block in self.layers.items():
-            block.attention.layer_id = int(i)
             if isinstance(block.feed_forward, MoE):
                 block.feed_forward.layer_id = int(i)
+        attention.log_choice([block.attention.core for block in self.layers.values()])
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:

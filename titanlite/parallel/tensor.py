@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -43,6 +43,20 @@ class LocalTokens(ParallelStyle):
         module.register_forward_pre_hook(_local_inputs)
         module.sequence_shards = _SequenceShards(device_mesh.get_group(), device_mesh.size())
         return module
+
+
+class HeadParameters(ParallelStyle):
+    """Parameters with one entry per query head (attention sinks) split along dimension 0
+    like the column-wise q projection splits the heads, so each rank holds its own heads'
+    entries (the module reads them with ``to_local``)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for key, param in list(mod.named_parameters(recurse=False)):
+                shard = distribute_tensor(param, mesh, [Shard(0)])
+                mod.register_parameter(key, nn.Parameter(shard, param.requires_grad))
+
+        return distribute_module(module, device_mesh, partition)
 
 
 class _SequenceShards:
@@ -93,6 +107,8 @@ def _style(name: TPStyle, loss_parallel: bool) -> ParallelStyle:
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,
         )
+    if name == "heads":
+        return HeadParameters()
     if name == "local_tokens":
         return LocalTokens()
     raise ValueError(f"unknown tensor-parallel style {name!r}")

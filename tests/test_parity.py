@@ -331,7 +331,7 @@ def variants_baseline(tmp_path_factory: pytest.TempPathFactory) -> Curves:
         tmp_path_factory, "baseline llama3 window+sinks", "llama3", *ATTENTION_VARIANTS,
         *Layout().args(),
     )  # fmt: skip
-    assert "2 of 2 layers (sliding window 24 with sinks) run the blocked" in run.output
+    assert "2 of 2 layers (1 with a sliding window of 24, 1 full, with sinks) run" in run.output
     assert len(set(run.curves["loss"])) == STEPS
     return run.curves
 

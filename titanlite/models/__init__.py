@@ -8,12 +8,13 @@ the name in ``titanlite.config.job_config.Model.name`` (docs/models.md walks thr
 
 from __future__ import annotations
 
+from titanlite.models.gpt_oss import SPEC as GPT_OSS
 from titanlite.models.llama import SPEC as LLAMA3
 from titanlite.models.qwen3 import SPEC as QWEN3
 from titanlite.models.qwen3_moe import SPEC as QWEN3_MOE
 from titanlite.models.spec import InitRule, ModelSpec
 
-REGISTRY: dict[str, ModelSpec] = {spec.name: spec for spec in (LLAMA3, QWEN3, QWEN3_MOE)}
+REGISTRY: dict[str, ModelSpec] = {spec.name: spec for spec in (LLAMA3, QWEN3, QWEN3_MOE, GPT_OSS)}
 
 __all__ = ["REGISTRY", "InitRule", "ModelSpec", "get"]
 

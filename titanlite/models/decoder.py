@@ -36,10 +36,11 @@ class Attention(AttentionLayer):
         self.layer_id = layer_id
         self.head_dim = args.head_dim
         self.rotate = ROPE_STYLES[args.rope_style]
-        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        bias = getattr(args, "attention_bias", False)  # gpt-oss: biases on all four
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=bias)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=bias)
         if args.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, args.norm_eps)
             self.k_norm = RMSNorm(self.head_dim, args.norm_eps)
@@ -112,7 +113,7 @@ class Decoder(nn.Module):
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # Not persistent: recomputed by init_buffers, never checkpointed.
-        rope = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
+        rope = _rope(args)
         self.register_buffer("rope", rope.to(torch.empty(0).device), persistent=False)
 
     def forward(
@@ -140,11 +141,17 @@ class Decoder(nn.Module):
     def init_buffers(self) -> None:
         """Recompute the RoPE tables on the model's device (after to_empty from meta) and
         start the MoE routing biases at zero (a checkpoint load then overwrites them)."""
-        a = self.args
-        self.rope = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta).to(self.rope.device)
+        self.rope = _rope(self.args).to(self.rope.device)
         for module in self.modules():
             if isinstance(module, MoE):
                 module.expert_bias.zero_()
+
+
+def _rope(args: Any) -> torch.Tensor:
+    """The RoPE table of ``args`` (YaRN's where the family has it: ``args.yarn``)."""
+    return rope_tables(
+        args.head_dim, args.max_seq_len, args.rope_theta, getattr(args, "yarn", None)
+    )
 
 
 def build(args: Any) -> Decoder:

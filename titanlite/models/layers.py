@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,16 +23,58 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
-    """cos and sin of every (position, frequency) pair: shape [max_seq_len, head_dim/2, 2]."""
+def rope_tables(
+    head_dim: int, max_seq_len: int, theta: float, yarn: Mapping[str, Any] | None = None
+) -> torch.Tensor:
+    """cos and sin of every (position, frequency) pair: shape [max_seq_len, head_dim/2, 2].
+    With ``yarn`` (``yarn_frequencies``' keywords) the frequencies are YaRN's and the table is
+    scaled by its attention factor."""
     # Always computed on the CPU (then moved): arange on the meta device would import torch's
     # compiler stack (seconds) just to build a model whose buffers are filled in later anyway.
     cpu = torch.device("cpu")
     freqs = 1.0 / (
         theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=cpu) / head_dim)
     )
+    scale = 1.0
+    if yarn is not None:
+        freqs, scale = yarn_frequencies(freqs, head_dim, theta, **yarn)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64, device=cpu), freqs)
-    return torch.stack([angles.cos(), angles.sin()], dim=-1).float()
+    return (torch.stack([angles.cos(), angles.sin()], dim=-1) * scale).float()
+
+
+def yarn_frequencies(
+    freqs: torch.Tensor,
+    head_dim: int,
+    theta: float,
+    *,
+    factor: float,
+    beta_fast: float,
+    beta_slow: float,
+    original_max_seq_len: int,
+    truncate: bool,
+) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al. 2023): frequencies rotating fewer than ``beta_slow`` times over the
+    original context are interpolated (divided by ``factor``), those rotating more than
+    ``beta_fast`` times kept, with a linear ramp between (over the frequency index; its ends
+    rounded outwards with ``truncate``); and the attention factor 0.1 ln(factor) + 1 that
+    q.k gains from both rotated vectors."""
+
+    def index_of(rotations: float) -> float:  # the frequency index turning this many times
+        wavelengths = original_max_seq_len / (rotations * 2 * math.pi)
+        return head_dim * math.log(wavelengths) / (2 * math.log(theta))
+
+    low, high = index_of(beta_fast), index_of(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a step, not a division by zero
+    ramp = (
+        (torch.arange(head_dim // 2, dtype=torch.float64, device=freqs.device) - low) / (high - low)
+    ).clamp(0, 1)
+    kept = 1 - ramp  # 1: the original frequency, 0: interpolated
+    scaled = freqs / factor * (1 - kept) + freqs * kept
+    return scaled, (0.1 * math.log(factor) + 1.0) if factor > 1 else 1.0
 
 
 def _table_for(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:

@@ -64,10 +64,13 @@ def log_choice(cores: list[AttentionCore]) -> None:
     masked = [c.mask for c in cores if isinstance(c, MaskedAttention)]
     if not masked:
         return
-    windows = sorted({m.window for m in masked if m.window is not None})
-    what = (f"sliding window {windows[0]}" if windows else "full") + (
-        " with sinks" if masked[0].sink else ""
-    )
+    windowed = [m.window for m in masked if m.window is not None]
+    what = ", ".join(
+        part for part in (
+            f"{len(windowed)} with a sliding window of {windowed[0]}" if windowed else "",
+            f"{len(masked) - len(windowed)} full" if len(masked) > len(windowed) else "",
+        ) if part
+    ) + (", with sinks" if masked[0].sink else "")  # fmt: skip
     rest = len(cores) - len(masked)
     logger.info(
         "attention: %d of %d layers (%s) run the blocked explicit kernel (the band of keys "

@@ -68,8 +68,14 @@ class MoE(nn.Module):
         self.aux_loss_coef, self.capacity_factor = args.aux_loss_coef, args.capacity_factor
         self.bias_update_rate = args.bias_update_rate
         self.router_z_loss_coef = getattr(args, "router_z_loss_coef", 0.0)
-        self.router = nn.Linear(dim, args.num_experts, bias=False)
-        self.experts = GroupedExperts(args.num_experts, dim, args.moe_hidden_dim)
+        # gpt-oss: a router bias, expert biases and the clamped SwiGLU (family constants).
+        self.router = nn.Linear(dim, args.num_experts, bias=getattr(args, "router_bias", False))
+        limit = getattr(args, "swiglu_limit", 0.0)
+        self.experts = GroupedExperts(
+            args.num_experts, dim, args.moe_hidden_dim,
+            bias=getattr(args, "expert_biases", False),
+            clamp=(args.swiglu_alpha, limit) if limit > 0 else None,
+        )  # fmt: skip
         self.shared = (
             FeedForward(dim, args.shared_experts * args.moe_hidden_dim)
             if args.shared_experts

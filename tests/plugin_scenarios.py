@@ -51,28 +51,28 @@ def train_with_counting_converter(rank: int, world: int, argv: list[str]) -> dic
         del converters.REGISTRY["counting"]
 
 
-class WindowedForTest(CausalAttention):
-    """A core that declares a sliding window (it computes full causal attention: only its
+class BidirectionalForTest(CausalAttention):
+    """A core that declares bidirectional attention (it computes causal attention: only its
     mask description matters here)."""
 
-    mask = Mask(causal=True, window=4)
+    mask = Mask(causal=False)
 
 
 def context_parallel_reads_the_mask(rank: int, world: int, argv: list[str]) -> str:
-    """A family whose attention core declares a window: context parallelism refuses it by
+    """A family whose attention core is not causal: context parallelism refuses it by
     reading the core's mask, not its class."""
     import train_scenarios
 
     from titanlite.models.llama.args import LlamaArgs
 
-    attention.REGISTRY["windowed_for_test"] = WindowedForTest
+    attention.REGISTRY["bidirectional_for_test"] = BidirectionalForTest
     before = LlamaArgs.attention
-    LlamaArgs.attention = "windowed_for_test"
+    LlamaArgs.attention = "bidirectional_for_test"
     try:
         train_scenarios.train(rank, world, argv)
     except ValueError as e:
         return str(e)
     finally:
         LlamaArgs.attention = before
-        del attention.REGISTRY["windowed_for_test"]
+        del attention.REGISTRY["bidirectional_for_test"]
     return "trained"

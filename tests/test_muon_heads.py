@@ -241,6 +241,15 @@ def test_muon_head_settings_errors_are_one_line() -> None:
         "muon.qk_clip_threshold: qwen3 normalizes each head's queries and keys (qk-norm), which "
         "undoes QK-clip's scaling of wq and wk; leave it unset"
     ]
+    cfg = load_config(["--optimizer.name", "muon", "--muon.block", "head", "--model.name",
+                       "deepseek_v3"])  # fmt: skip
+    with pytest.raises(ConfigError) as info:
+        check(cfg, 1)
+    assert str(info.value).splitlines() == [
+        "muon: deepseek_v3's latent attention has no per-head query, key and value matrices, "
+        'which muon.block = "head" and muon.qk_clip_threshold need; use block "full" and leave '
+        "qk_clip_threshold unset"
+    ]
     assert train_main(["--optimizer.name", "muon", "--muon.qk_clip_threshold", "-1"]) == 2
 
 

@@ -314,3 +314,34 @@ def test_bf16_fsdp_stays_close_to_fp32(
     # If bf16 matched fp32 to RTOL, it would not be running in bf16 (and RTOL would be too
     # loose to tell the two apart).
     assert worst["grad_norm"] > RTOL, worst
+
+
+# Sliding window (every other layer local, 24 of the 64 tokens: across the 16-token chunks of
+# cp 2) with sinks (split with the heads under TP) and document masking, against its own
+# one-process baseline.
+ATTENTION_VARIANTS = (
+    "--model.sliding_window", "24", "--model.window_pattern", "LG",
+    "--model.attention_sinks", "true", "--training.document_mask", "true",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def variants_baseline(tmp_path_factory: pytest.TempPathFactory) -> Curves:
+    run = train(
+        tmp_path_factory, "baseline llama3 window+sinks", "llama3", *ATTENTION_VARIANTS,
+        *Layout().args(),
+    )  # fmt: skip
+    assert "2 of 2 layers (1 with a sliding window of 24, 1 full, with sinks) run" in run.output
+    assert len(set(run.curves["loss"])) == STEPS
+    return run.curves
+
+
+@pytest.mark.parametrize("layout", [Layout(cp=2), Layout(shard=2, tp=2)], ids=["cp2", "fsdp2xtp2"])
+def test_window_and_sinks_match_one_process(
+    layout: Layout, variants_baseline: Curves, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    name = f"llama3 window+sinks {layout.name}"
+    run = train(
+        tmp_path_factory, name, "llama3", *ATTENTION_VARIANTS, *layout.args(), ngpu=layout.ngpu
+    )
+    assert_parity(name, variants_baseline, run.curves)

@@ -20,6 +20,7 @@ from conftest import REPO, subprocess_env
 
 from titanlite import run_lock
 from titanlite.errors import EXIT_USER_ERROR
+from titanlite.files import atomic_write
 
 HOLDER = """
 import logging, sys, time
@@ -59,7 +60,9 @@ def write_lock(folder: Path, **fields: object) -> None:
     holder = run_lock.this_process("training")
     folder.mkdir(parents=True, exist_ok=True)
     content = {**holder.__dict__, **fields}
-    (folder / run_lock.LOCK_FILE).write_text(json.dumps(content))
+    # Atomically, as a run writes its own: a holder polling every 0.1 s never reads it half
+    # written (it would take the empty file for an unreadable lock of host "?").
+    atomic_write(folder / run_lock.LOCK_FILE, json.dumps(content))
 
 
 def test_a_live_run_holds_its_folder_and_a_killed_one_is_taken_over(tmp_path, caplog, no_slurm):

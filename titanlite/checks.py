@@ -22,6 +22,7 @@ from titanlite.config.layout import pipeline_plan
 from titanlite.data.tokenizer import Tokenizer, load_tokenizer
 from titanlite.data.tokens import is_token_folder
 from titanlite.errors import Problems
+from titanlite.models.attention import LAYERS as ATTENTION_LAYERS
 from titanlite.models.spec import ModelSpec
 from titanlite.paths import resolve_path
 
@@ -120,7 +121,14 @@ def check(cfg: JobConfig, world_size: int) -> Tokenizer | None:
                     )
             if degrees and degrees.pp > 1:
                 check_pipeline(cfg, degrees, args, problems)
-            if cfg.muon.qk_clip_threshold is not None and args.qk_norm:
+            per_head = cfg.muon.qk_clip_threshold is not None or cfg.muon.block == "head"
+            if per_head and getattr(args, "attention", None) in ATTENTION_LAYERS:
+                problems.add(
+                    f"muon: {spec.name}'s latent attention has no per-head query, key and value "
+                    'matrices, which muon.block = "head" and muon.qk_clip_threshold need; use '
+                    'block "full" and leave qk_clip_threshold unset'
+                )
+            elif cfg.muon.qk_clip_threshold is not None and getattr(args, "qk_norm", False):
                 problems.add(
                     f"muon.qk_clip_threshold: {spec.name} normalizes each head's queries and "
                     "keys (qk-norm), which undoes QK-clip's scaling of wq and wk; leave it unset"

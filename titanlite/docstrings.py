@@ -10,10 +10,14 @@ import inspect
 
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
-    """The docstring written under each field of a dataclass (what --help shows)."""
+    """The docstring written under each field of a dataclass (what --help shows), those of
+    the dataclasses it inherits from included."""
+    docs: dict[str, str] = {}
+    for base in cls.__bases__:
+        if hasattr(base, "__dataclass_fields__"):
+            docs.update(field_docs(base))
     tree = ast.parse(inspect.getsource(cls))
     body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
     for stmt, nxt in zip(body, [*body[1:], None], strict=True):
         if (
             isinstance(stmt, ast.AnnAssign)

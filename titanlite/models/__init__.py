@@ -9,6 +9,7 @@ the name in ``titanlite.config.job_config.Model.name`` (docs/models.md walks thr
 from __future__ import annotations
 
 from titanlite.models.deepseek_v3 import SPEC as DEEPSEEK_V3
+from titanlite.models.gpt_oss import SPEC as GPT_OSS
 from titanlite.models.llama import SPEC as LLAMA3
 from titanlite.models.qwen3 import SPEC as QWEN3
 from titanlite.models.qwen3_5 import SPEC as QWEN3_5
@@ -16,7 +17,7 @@ from titanlite.models.qwen3_moe import SPEC as QWEN3_MOE
 from titanlite.models.spec import InitRule, ModelSpec
 
 REGISTRY: dict[str, ModelSpec] = {
-    spec.name: spec for spec in (LLAMA3, QWEN3, QWEN3_MOE, DEEPSEEK_V3, QWEN3_5)
+    spec.name: spec for spec in (LLAMA3, QWEN3, QWEN3_MOE, DEEPSEEK_V3, QWEN3_5, GPT_OSS)
 }
 
 __all__ = ["REGISTRY", "InitRule", "ModelSpec", "get"]

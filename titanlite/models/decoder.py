@@ -12,7 +12,8 @@ A family's args object provides dim, n_layers, n_heads, kv_heads, head_dim, ffn_
 vocab_size, norm_eps, rope_theta, max_seq_len, tie_embeddings, and the class constants
 qk_norm (per-head RMSNorm on queries and keys), rope_style ("interleaved" pairs as in Meta's
 Llama, or "halves" as in Hugging Face's rotate_half) and attention (the registry name of the
-attention core). A family whose spec names this module as its ``model_module`` needs no
+attention core), and the attention options of ``decoder_spec.AttentionVariants`` (sliding
+window per layer, sinks). A family whose spec names this module as its ``model_module`` needs no
 modules of its own.
 """
 
@@ -31,20 +32,22 @@ from titanlite.models.yarn import YaRN, yarn_tables
 
 
 class Attention(AttentionLayer):
-    def __init__(self, args: Any):
+    def __init__(self, args: Any, layer_id: int = 0):
         super().__init__()
+        self.layer_id = layer_id
         self.head_dim = args.head_dim
         self.rotate = ROPE_STYLES[args.rope_style]
-        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        bias = getattr(args, "attention_bias", False)  # gpt-oss: biases on all four
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=bias)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=bias)
         if args.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, args.norm_eps)
             self.k_norm = RMSNorm(self.head_dim, args.norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.core = attention.build(args.attention)
+        self.core = attention.for_layer(args, layer_id)
 
     def heads(self) -> Heads:
         return Heads(self.head_dim, self.wq.weight, self.wk.weight, self.wv.weight, self.wo.weight)
@@ -69,8 +72,10 @@ class Attention(AttentionLayer):
 class TransformerBlock(nn.Module):
     def __init__(self, args: Any, layer_id: int = 0):
         super().__init__()
-        # The attention registry's own projections where a kind has them (latent attention).
-        self.attention = attention.LAYERS.get(args.attention, Attention)(args)
+        # The attention registry's own projections where a kind has them (latent attention),
+        # else the shared q/k/v/o with this layer's core (its window, sinks).
+        latent = attention.LAYERS.get(args.attention)
+        self.attention = latent(args) if latent else Attention(args, layer_id)
         # A mixture of experts when the family's args have experts (titanlite.models.moe),
         # except in the first ``first_k_dense`` blocks (a SwiGLU of ``dense_hidden_dim``).
         moe = getattr(args, "num_experts", 0) and layer_id >= getattr(args, "first_k_dense", 0)
@@ -106,9 +111,9 @@ class Decoder(nn.Module):
             {str(i): TransformerBlock(args, i) for i in range(args.n_layers)}
         )
         for i, block in self.layers.items():
-            block.attention.layer_id = int(i)
             if isinstance(block.feed_forward, MoE):
                 block.feed_forward.layer_id = int(i)
+        attention.log_choice([block.attention.core for block in self.layers.values()])
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:

@@ -105,9 +105,22 @@ def rename_from_hf(
 
 
 def common_hf_config(
-    args: Any, special_ids: Mapping[str, int | None], dtype: torch.dtype
+    args: Any,
+    special_ids: Mapping[str, int | None],
+    dtype: torch.dtype,
+    *,
+    attention_variants: bool = False,
 ) -> dict[str, Any]:
-    """The config.json fields every decoder family writes the same way."""
+    """The config.json fields every decoder family writes the same way. Unless the family's
+    Hugging Face model has them (``attention_variants``), a sliding window or sinks are
+    refused: its config would describe a different model."""
+    if not attention_variants:
+        for key in ("sliding_window", "attention_sinks"):
+            if getattr(args, key, 0):
+                raise UserError(
+                    f"model.{key}={getattr(args, key)!r}: this family's Hugging Face model "
+                    "has no such attention, so this model cannot be exported to it"
+                )
     return {
         "hidden_size": args.dim,
         "intermediate_size": args.ffn_hidden_dim,

@@ -10,9 +10,45 @@ ffn_hidden_dim, vocab_size, tie_embeddings.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from titanlite.models.spec import InitRule, ModelSpec, TensorParallelPlan
+
+
+@dataclass
+class AttentionVariants:
+    """The attention options every decoder family takes (its args dataclass inherits them;
+    they are ``model.*`` config keys). The attention registry
+    (``titanlite.models.attention.for_layer``) reads them per layer."""
+
+    sliding_window: int = 0
+    """Sliding-window attention: a query of a local layer sees at most this many keys, ending at its own (0 = full attention everywhere)."""
+    window_pattern: str = "L"
+    """Which layers are local (L, sliding window) and which global (G, full attention): the string repeated over the layers from layer 0. "LG" alternates starting local (gpt-oss), "LLLG" is 3 local : 1 global; "L" = every layer local."""
+    attention_sinks: bool = False
+    """A learned logit per query head joins every softmax row and attends to nothing (gpt-oss's sinks)."""
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of block ``layer`` (None: full causal attention)."""
+        if self.sliding_window <= 0:
+            return None
+        local = self.window_pattern[layer % len(self.window_pattern)] == "L"
+        return self.sliding_window if local else None
+
+    def check_attention(self) -> None:
+        """ValueError naming the field for attention options that cannot be run."""
+        if self.sliding_window < 0:
+            raise ValueError(f"sliding_window must be >= 0, got {self.sliding_window}")
+        if not self.window_pattern or set(self.window_pattern) - {"L", "G"}:
+            raise ValueError(
+                f"window_pattern must be a string of L (local) and G (global), got "
+                f"{self.window_pattern!r}"
+            )
+
+
+ATTENTION_OVERRIDES = ("sliding_window", "window_pattern", "attention_sinks")
+"""The config keys of ``AttentionVariants`` (each family lists them in its overrides)."""
 
 # Megatron-style TP with sequence parallelism: column-wise q/k/v and gate/up projections,
 # row-wise output projections, so each sub-layer needs one all-gather in and one
@@ -26,6 +62,7 @@ DECODER_TP_PLAN = TensorParallelPlan(
         "attention.wk": "colwise",
         "attention.wv": "colwise",
         "attention.wo": "rowwise",
+        "attention.core": "heads",  # sinks, one per query head (no parameters otherwise)
         "ffn_norm": "norm",
         "feed_forward": "gather_input",
         "feed_forward.w1": "colwise",
@@ -53,20 +90,37 @@ def decoder_init_rule(args: Any, name: str) -> InitRule:
     return InitRule.normal(0.02)
 
 
+def keys_per_query(seq_len: int, window: int | None) -> float:
+    """The keys a query attends on average: half the sequence causally (the triangle of the
+    seq x seq square), the band's area over the sequence with a sliding window (the same
+    when the window covers the sequence)."""
+    if window is None or window >= seq_len:
+        return seq_len / 2
+    return window - window * window / (2 * seq_len)
+
+
+def attention_flops_per_token(args: Any, seq_len: int) -> int:
+    """QK^T and AV (2 matmuls of 2 FLOPs per multiply-add), forward and backward (x3), over
+    the keys each layer's queries see: 12 x width x keys per query, summed over layers."""
+    width = args.n_heads * args.head_dim
+    window = args.layer_window if isinstance(args, AttentionVariants) else lambda _: None
+    keys = sum(keys_per_query(seq_len, window(i)) for i in range(args.n_layers))
+    return round(12 * width * keys)
+
+
 def decoder_flops_per_token(args: Any, seq_len: int) -> int:
-    """Training FLOPs per token: 6 x matmul params + 6 x layers x attention width x seq.
+    """Training FLOPs per token: 6 x matmul params + the attention term.
 
     Matmul params exclude the embedding lookup but include the output projection (once, even
-    when tied). The attention term counts QK^T and AV over the causal half of the sequence,
-    forward and backward.
+    when tied). The attention term (``attention_flops_per_token``) is 6 x layers x width x
+    seq with full causal attention; sliding-window layers count their band only.
     """
-    width = args.n_heads * args.head_dim
     per_layer = (
         args.dim * args.head_dim * (args.n_heads * 2 + args.kv_heads * 2)  # wq, wo, wk, wv
         + 3 * args.dim * args.ffn_hidden_dim  # w1, w2, w3
     )
     matmul_params = args.n_layers * per_layer + args.vocab_size * args.dim
-    return 6 * matmul_params + 6 * args.n_layers * width * seq_len
+    return 6 * matmul_params + attention_flops_per_token(args, seq_len)
 
 
 def decoder_tp_divisible(args: Any) -> dict[str, int]:
@@ -82,6 +136,8 @@ def check_decoder_shape(args: Any) -> None:
         raise ValueError(f"n_heads {args.n_heads} is not divisible by n_kv_heads {args.kv_heads}")
     if args.vocab_size <= 0:
         raise ValueError("vocab_size must be set (it comes from the tokenizer)")
+    if isinstance(args, AttentionVariants):  # the families whose blocks take windows and sinks
+        args.check_attention()
 
 
 def check_moe_routing(args: Any) -> None:

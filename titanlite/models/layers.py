@@ -20,7 +20,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
-    """cos and sin of every (position, frequency) pair: shape [max_seq_len, head_dim/2, 2]."""
+    """cos and sin of every (position, frequency) pair: shape [max_seq_len, head_dim/2, 2]
+    (YaRN's stretched table: ``titanlite.models.yarn.yarn_tables``)."""
     # Always computed on the CPU (then moved): arange on the meta device would import torch's
     # compiler stack (seconds) just to build a model whose buffers are filled in later anyway.
     cpu = torch.device("cpu")

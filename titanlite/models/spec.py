@@ -52,6 +52,8 @@ TPStyle = Literal[
     "colwise",  # output features split (q/k/v, gate/up projections)
     "rowwise",  # input features split, output reduce-scattered along the sequence
     "output",  # the vocabulary projection (logits sharded under loss parallel)
+    "heads",  # the module's parameters hold one entry per query head (attention sinks):
+    # split along dimension 0 as the heads are (a module without parameters is untouched)
     "local_tokens",  # runs whole on this rank's sequence shard (a mixture of experts routes
     # its own tokens); its weights are not split and their gradients are summed over TP
     "latent",  # runs whole on the gathered sequence, weights replicated (latent attention's

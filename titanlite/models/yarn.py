@@ -26,6 +26,7 @@ class YaRN:
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 1.0
+    truncate: bool = True  # the ramp's ends rounded outwards to whole dimensions (gpt-oss: no)
 
     def table_scale(self) -> float:
         """What the cos and sin tables are multiplied by."""
@@ -51,11 +52,11 @@ def yarn_tables(head_dim: int, max_seq_len: int, theta: float, yarn: YaRN) -> to
     cpu = torch.device("cpu")  # as rope_tables: never on the meta device
     base = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=cpu) / head_dim)
     kept, stretched = 1.0 / base, 1.0 / (yarn.factor * base)
-    low = max(math.floor(_turning_dim(yarn.beta_fast, head_dim, theta, yarn.original_seq_len)), 0)
-    high = min(
-        math.ceil(_turning_dim(yarn.beta_slow, head_dim, theta, yarn.original_seq_len)),
-        head_dim - 1,
-    )
+    low = _turning_dim(yarn.beta_fast, head_dim, theta, yarn.original_seq_len)
+    high = _turning_dim(yarn.beta_slow, head_dim, theta, yarn.original_seq_len)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
     span = (high - low) or 1e-3  # one dimension: a step, not a division by zero
     ramp = ((torch.arange(head_dim // 2, dtype=torch.float64, device=cpu) - low) / span).clamp(0, 1)
     freqs = stretched * ramp + kept * (1 - ramp)

@@ -14,7 +14,11 @@ with it (``AttentionCore.attend``). For causal attention on the CPU that is the 
 twice, over the fully visible keys and causally over the chunk's own, merged by log-sum-exp,
 so no mask is ever built; other devices use a boolean mask on scaled_dot_product_attention
 (correct, but the kernels keep it for backward: chunk x prefix bytes per layer). This module
-only moves keys and values: the attention math is the core's.
+only moves keys and values: the attention math is the core's. A sliding window or sinks
+(the masked core) need nothing more: the core attends each chunk to the band of gathered
+keys its window reaches, and a sink joins each query's one softmax row over those keys, so
+it counts once per row, not once per chunk. (A windowed layer needs only the keys up to
+window - 1 before each chunk; gathering all of them is correct, not minimal.)
 
 Gathering, not a ring exchange: with grouped-query attention the keys and values are a small
 part of the activations (measured in docs/context_parallel.md), one collective per layer for
@@ -128,9 +132,7 @@ def apply_cp(model: nn.Module, context: ContextParallel) -> int:
     if not cores:
         raise ValueError("context parallelism found no attention core in the model")
     for core in cores:
-        if core.mask.window is not None or not core.mask.causal:
-            raise ValueError(
-                f"context parallelism takes full causal attention only, not {core.mask}"
-            )
+        if not core.mask.causal:
+            raise ValueError(f"context parallelism takes causal attention only, not {core.mask}")
         core.sequence_split = context
     return len(cores)

@@ -52,6 +52,20 @@ class LocalTokens(ParallelStyle):
         return module
 
 
+class HeadParameters(ParallelStyle):
+    """Parameters with one entry per query head (attention sinks) split along dimension 0
+    like the column-wise q projection splits the heads, so each rank holds its own heads'
+    entries (the module reads them with ``to_local``)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for key, param in list(mod.named_parameters(recurse=False)):
+                shard = distribute_tensor(param, mesh, [Shard(0)])
+                mod.register_parameter(key, nn.Parameter(shard, param.requires_grad))
+
+        return distribute_module(module, device_mesh, partition)
+
+
 class _SequenceShards:
     """The TP ranks that hold the other shards of this rank's sequences."""
 
@@ -139,6 +153,8 @@ def _style(name: TPStyle, loss_parallel: bool) -> ParallelStyle:
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,
         )
+    if name == "heads":
+        return HeadParameters()
     if name == "local_tokens":
         return LocalTokens()
     if name in ("latent", "latent_local"):

@@ -5,11 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from titanlite.models.decoder_spec import check_decoder_shape
+from titanlite.models.decoder_spec import (
+    ATTENTION_OVERRIDES,
+    AttentionVariants,
+    check_decoder_shape,
+)
 
 
 @dataclass
-class LlamaArgs:
+class LlamaArgs(AttentionVariants):
     dim: int = 4096
     """Hidden size (the width of the residual stream)."""
     n_layers: int = 32
@@ -88,4 +92,5 @@ FLAVORS: dict[str, LlamaArgs] = {
 OVERRIDES = (
     "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim_multiplier", "multiple_of",
     "rope_theta", "norm_eps", "tie_embeddings",
+    *ATTENTION_OVERRIDES,
 )  # fmt: skip

@@ -43,27 +43,58 @@ def _padded_bmm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch
 
 
 class GroupedExperts(RoutedExperts):
-    """``num_experts`` SwiGLUs as three [experts, in, out] weights (w1 gate, w3 up, w2 down).
+    """``num_experts`` SwiGLUs as three [experts, in, out] weights (w1 gate, w3 up, w2 down),
+    with, given ``bias``, a bias per expert on each (b1, b3 [experts, hidden], b2 [experts,
+    dim]). Given ``clamp`` (alpha, limit), the activation is gpt-oss's clamped form:
+    gate clamped above and up on both sides at the limit, then (up + 1) * gate *
+    sigmoid(alpha * gate).
 
     Under expert parallelism the weights are DTensors split by expert and ``dispatch`` (set by
     ``titanlite.parallel.expert``) moves the rows to the ranks holding their experts."""
 
-    def __init__(self, num_experts: int, dim: int, hidden_dim: int):
+    def __init__(
+        self,
+        num_experts: int,
+        dim: int,
+        hidden_dim: int,
+        *,
+        bias: bool = False,
+        clamp: tuple[float, float] | None = None,
+    ):
         super().__init__()
-        self.num_experts = num_experts
+        self.num_experts, self.clamp = num_experts, clamp
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        if bias:
+            self.b1 = nn.Parameter(torch.empty(num_experts, hidden_dim))
+            self.b3 = nn.Parameter(torch.empty(num_experts, hidden_dim))
+            self.b2 = nn.Parameter(torch.empty(num_experts, dim))
+        else:
+            self.b1 = self.b3 = self.b2 = None
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        weights = [
-            w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w3, self.w2)
-        ]
+        def local(w: torch.Tensor | None) -> torch.Tensor | None:
+            return w.to_local() if hasattr(w, "to_local") else w
+
+        w1, w3, w2, b1, b3, b2 = map(local, (self.w1, self.w3, self.w2, self.b1, self.b3, self.b2))
 
         def swiglu(rows: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
-            w1, w3, w2 = weights
-            hidden = F.silu(grouped_mm(rows, w1, sizes)) * grouped_mm(rows, w3, sizes)
-            return grouped_mm(hidden, w2, sizes)
+            gate, up = grouped_mm(rows, w1, sizes), grouped_mm(rows, w3, sizes)
+            if b1 is not None:  # each row's expert's bias
+                expert = torch.repeat_interleave(
+                    torch.arange(sizes.numel(), device=rows.device), sizes,
+                    output_size=rows.shape[0],
+                )  # fmt: skip
+                gate, up = gate + b1[expert], up + b3[expert]
+            if self.clamp is None:
+                hidden = F.silu(gate) * up
+            else:
+                alpha, limit = self.clamp
+                gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+                hidden = (up + 1) * gate * torch.sigmoid(alpha * gate)
+            out = grouped_mm(hidden, w2, sizes)
+            return out if b2 is None else out + b2[expert]
 
         if self.dispatch is None:
             return swiglu(x, counts)

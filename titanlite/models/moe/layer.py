@@ -78,8 +78,14 @@ class MoE(nn.Module):
         self.n_groups = getattr(args, "n_groups", 1)
         self.topk_groups = getattr(args, "topk_groups", 1)
         self.route_scale = getattr(args, "route_scale", 1.0)
-        self.router = nn.Linear(dim, args.num_experts, bias=False)
-        self.experts = GroupedExperts(args.num_experts, dim, args.moe_hidden_dim)
+        # gpt-oss: a router bias, expert biases and the clamped SwiGLU (family constants).
+        self.router = nn.Linear(dim, args.num_experts, bias=getattr(args, "router_bias", False))
+        limit = getattr(args, "swiglu_limit", 0.0)
+        self.experts = GroupedExperts(
+            args.num_experts, dim, args.moe_hidden_dim,
+            bias=getattr(args, "expert_biases", False),
+            clamp=(args.swiglu_alpha, limit) if limit > 0 else None,
+        )  # fmt: skip
         self.shared = (
             FeedForward(dim, args.shared_experts * args.moe_hidden_dim)
             if args.shared_experts

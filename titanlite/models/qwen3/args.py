@@ -9,14 +9,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from titanlite.models.decoder_spec import check_decoder_shape
+from titanlite.models.decoder_spec import (
+    ATTENTION_OVERRIDES,
+    AttentionVariants,
+    check_decoder_shape,
+)
 
 QWEN3_VOCAB = 151936
 """The vocabulary of Qwen3's own tokenizer (the published parameter counts assume it)."""
 
 
 @dataclass
-class Qwen3Args:
+class Qwen3Args(AttentionVariants):
     dim: int = 4096
     """Hidden size (the width of the residual stream)."""
     n_layers: int = 36
@@ -82,4 +86,5 @@ FLAVORS: dict[str, Qwen3Args] = {
 OVERRIDES = (
     "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim", "rope_theta",
     "norm_eps", "tie_embeddings",
+    *ATTENTION_OVERRIDES,
 )  # fmt: skip

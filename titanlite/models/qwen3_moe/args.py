@@ -12,13 +12,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from titanlite.models.decoder_spec import check_decoder_shape, check_moe_routing
+from titanlite.models.decoder_spec import (
+    ATTENTION_OVERRIDES,
+    AttentionVariants,
+    check_decoder_shape,
+    check_moe_routing,
+)
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
 
 @dataclass
-class Qwen3MoeArgs:
+class Qwen3MoeArgs(AttentionVariants):
     dim: int = 2048
     """Hidden size (the width of the residual stream)."""
     n_layers: int = 48
@@ -122,4 +127,5 @@ OVERRIDES = (
     "tie_embeddings", "num_experts", "top_k", "moe_hidden_dim", "score_func", "norm_topk",
     "shared_experts", "aux_loss_coef", "bias_update_rate", "capacity_factor",
     "router_z_loss_coef", "n_groups", "topk_groups", "route_scale", "first_k_dense",
+    *ATTENTION_OVERRIDES,
 )  # fmt: skip

@@ -1,0 +1,101 @@
+"""The gpt-oss family: published sizes (total and active parameters), and Hugging Face
+export/import against transformers' GptOssForCausalLM (window, sinks, YaRN, biased experts
+with the clamped SwiGLU, the biased top-k router): logits equal to float32 round-off."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from titanlite.models import get
+from titanlite.models.decoder import Decoder
+from titanlite.models.gpt_oss.args import GPT_OSS_VOCAB, GptOssArgs
+from titanlite.models.init import init_parameters
+from titanlite.models.layers import count_params
+
+REPO = Path(__file__).resolve().parent.parent
+SPEC = get("gpt_oss")
+
+
+@pytest.mark.parametrize(
+    # OpenAI's gpt-oss model card (arXiv 2508.10925, table 1): total and active parameters.
+    ("flavor", "total", "active"),
+    [("20b", 20.91e9, 3.61e9), ("120b", 116.83e9, 5.13e9)],
+)
+def test_published_parameter_counts(flavor: str, total: float, active: float) -> None:
+    args = SPEC.make_args(flavor, GPT_OSS_VOCAB, 4096, {})
+    with torch.device("meta"):
+        counted = count_params(SPEC.build(args))
+    assert abs(counted / total - 1) < 0.005
+    assert abs(SPEC.active_params(args, counted) / active - 1) < 0.005
+
+
+def tiny(**changes: object) -> GptOssArgs:
+    base = {
+        "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 16,
+        "num_experts": 4, "top_k": 2, "moe_hidden_dim": 32, "sliding_window": 8,
+        "vocab_size": 4096, "max_seq_len": 64, "rope_original_max_seq_len": 16,
+        "rope_factor": 4.0, "aux_loss_coef": 0.0,
+    }  # fmt: skip
+    return GptOssArgs(**(base | changes))  # type: ignore[arg-type]
+
+
+def write_checkpoint(folder: Path, model: Decoder) -> Path:
+    import torch.distributed.checkpoint as dcp
+
+    from titanlite.data.tokenizer import DEFAULT_TOKENIZER_PATH
+
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(folder))
+    sidecar = {
+        "format": 2, "step": 1, "model_only": True, "model_name": "gpt_oss",
+        "model_args": dataclasses.asdict(model.args), "tokenizer": str(DEFAULT_TOKENIZER_PATH),
+    }  # fmt: skip
+    (folder / "titanlite.json").write_text(json.dumps(sidecar))
+    return folder
+
+
+def test_export_gives_transformers_the_same_logits_and_imports_back(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    sys.path.insert(0, str(REPO / "scripts"))
+    import convert_from_hf
+    import convert_to_hf
+
+    from titanlite.interop.checkpoint_model import load_checkpoint_model
+
+    args = tiny()
+    model = Decoder(args)
+    init_parameters(model, lambda name: SPEC.init_rule(args, name), 1)
+    model.init_buffers()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # biases and sinks away from their zero start, a decisive router
+        for name, p in model.named_parameters():
+            if name.endswith(("bias", "b1", "b2", "b3", "sinks")):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            if "router" in name:
+                p.mul_(40)
+            if "experts.w" in name:
+                p.mul_(20)  # activations beyond the SwiGLU's clamp at 7
+    out = tmp_path / "hf"
+    assert convert_to_hf.main([str(write_checkpoint(tmp_path / "step-1", model)), str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["layer_types"] == ["sliding_attention", "full_attention"]
+    assert config["rope_parameters"]["rope_type"] == "yarn"
+    hf = transformers.GptOssForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    x = torch.randint(4, 4096, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = model(x), hf(x).logits.float()
+        # Each feature matters: the model without its window differs from Hugging Face's.
+        plain = Decoder(dataclasses.replace(args, sliding_window=0))
+        plain.load_state_dict(model.state_dict())
+        assert (plain(x) - theirs).abs().max() > 1e-3
+    assert (ours - theirs).abs().max().item() <= 1e-5 * max(ours.abs().max().item(), 1.0)
+    assert convert_from_hf.main([str(out), str(tmp_path / "back")]) == 0
+    back = load_checkpoint_model(tmp_path / "back")
+    assert back.spec.name == "gpt_oss" and back.args == model.args
+    with torch.no_grad():
+        assert torch.equal(back.model(x), ours)

@@ -183,10 +183,15 @@ def test_ctrl_c_mid_run_one_process_saves_exits_130_and_resumes_exactly(tmp_path
     out = tmp_path / "run"
     job = Launch(out, 1)
     job.wait_until("step 3", lambda: len(logged_steps(out)) >= 3)
+    # Held still meanwhile (alive, holding its lock), so the second launch meets it running
+    # however slowly this machine starts a process: unheld, the first run once finished its
+    # last 13 steps before the second got to its check.
+    os.kill(job.proc.pid, signal.SIGSTOP)
     started = time.monotonic()
     second = Launch(out, 1)
     assert second.wait() == EXIT_USER_ERROR, second.output()
     refused_s = time.monotonic() - started
+    os.kill(job.proc.pid, signal.SIGCONT)
     line = f"is in use by another run (training: pid {job.proc.pid} on host "
     assert line in second.output() and len(second.output().strip().splitlines()) == 1
     assert job.proc.poll() is None  # the first goes on

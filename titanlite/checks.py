@@ -22,7 +22,6 @@ from titanlite.config.layout import pipeline_plan
 from titanlite.data.tokenizer import Tokenizer, load_tokenizer
 from titanlite.data.tokens import is_token_folder
 from titanlite.errors import Problems
-from titanlite.models.attention import LAYERS as ATTENTION_LAYERS
 from titanlite.models.spec import ModelSpec
 from titanlite.paths import resolve_path
 
@@ -122,7 +121,7 @@ def check(cfg: JobConfig, world_size: int) -> Tokenizer | None:
             if degrees and degrees.pp > 1:
                 check_pipeline(cfg, degrees, args, problems)
             per_head = cfg.muon.qk_clip_threshold is not None or cfg.muon.block == "head"
-            if per_head and getattr(args, "attention", None) in ATTENTION_LAYERS:
+            if per_head and getattr(args, "attention", None) in attention_layers():
                 problems.add(
                     f"muon: {spec.name}'s latent attention has no per-head query, key and value "
                     'matrices, which muon.block = "head" and muon.qk_clip_threshold need; use '
@@ -200,3 +199,11 @@ def check(cfg: JobConfig, world_size: int) -> Tokenizer | None:
         )
     problems.raise_if_any(ConfigError)
     return tokenizer
+
+
+def attention_layers() -> tuple[str, ...]:
+    """The attention kinds with projections of their own (no per-head q/k/v), imported only
+    when asked: the registry imports torch, which the launcher's preflight does without."""
+    from titanlite.models.attention import LAYERS
+
+    return tuple(LAYERS)

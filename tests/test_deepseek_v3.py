@@ -156,6 +156,32 @@ def test_mtp_loss_equals_a_direct_computation() -> None:
     assert loss(model(tokens), labels)[1][1].item() == 0.0
 
 
+def test_training_step_gives_mtp_its_targets_within_documents() -> None:
+    """With training.document_mask, ParallelModel's training step hands the loss the MTP
+    targets of mtp_labels with the window's documents (BOS = 1 starts one mid-window): its
+    terms equal the loss of the document-masked logits against those targets, and differ
+    from the targets that ignore the documents."""
+    from titanlite.data.documents import DocumentMask
+    from titanlite.loss import TrainingLoss, mtp_labels
+    from titanlite.parallel.parallel_model import ParallelModel
+
+    model = tiny_model(tiny_args(mtp_layers=1), seed=4)
+    documents = DocumentMask(bos_id=1, eos_id=2)
+    loss = TrainingLoss(0.0, 1, 0.3)
+    parallel = ParallelModel([model], [model], loss, documents=documents, mtp_depths=1)
+    tokens = torch.randint(3, 512, (2, 12), generator=torch.Generator().manual_seed(5))
+    tokens[:, 6] = 1
+    labels = torch.roll(tokens, -1, dims=1)
+    terms = parallel.forward_backward(tokens, labels, 1.0)
+    ids = documents.ids(tokens)
+    with torch.no_grad():
+        logits = model(tokens, documents=ids)
+        within = loss(logits, mtp_labels(labels, 1, ids))[1]
+        across = loss(logits, mtp_labels(labels, 1))[1]
+    torch.testing.assert_close(terms, within, rtol=0, atol=0)
+    assert terms[1] != across[1]
+
+
 def test_mtp_with_pipeline_or_context_parallelism_is_refused_in_one_line() -> None:
     from titanlite.checks import check
     from titanlite.config import ConfigError, load_config

@@ -366,6 +366,7 @@ def test_fp8_block_scaled_weights_import_dequantized_and_bad_scales_are_one_line
     sys.path.insert(0, str(REPO / "scripts"))
     import convert_from_hf
 
+    from titanlite.errors import UserError
     from titanlite.interop.hf import load_hf
     from titanlite.models.deepseek_v3 import hf
 
@@ -376,6 +377,9 @@ def test_fp8_block_scaled_weights_import_dequantized_and_bad_scales_are_one_line
     assert sorted(state) == sorted(want)
     for name, tensor in want.items():
         assert state[name].dtype == torch.float32 and torch.equal(state[name], tensor), name
+    without = {k: v for k, v in expected.items() if not k.startswith("model.layers.3.")}
+    with pytest.raises(UserError, match="no model.layers.3.. tensors; set it to 0"):
+        hf.from_hf_state_dict(without, args)  # transformers saves no MTP block
     o_proj = expected["model.layers.0.self_attn.o_proj.weight"]
     assert not torch.equal(o_proj, tiny_model(args).state_dict()["layers.0.attention.wo.weight"])
     assert convert_from_hf.main([str(tmp_path / "fp8"), str(tmp_path / "ckpt")]) == 0

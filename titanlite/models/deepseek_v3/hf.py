@@ -153,6 +153,13 @@ def from_hf_state_dict(
         if name == "output.weight" and args.tie_embeddings and hf not in given:
             continue
         out[name] = take(hf)
+    mtp_block = f"model.layers.{args.n_layers}."
+    if args.mtp_layers and not any(name.startswith(mtp_block) for name in given):
+        raise UserError(
+            f"config.json's num_nextn_predict_layers {args.mtp_layers} names multi-token "
+            f"prediction blocks, but the folder has no {mtp_block}* tensors; set it to 0 to "
+            "import the model without them"
+        )
     blocks = [f"layers.{i}." for i in range(args.n_layers)]
     blocks += [f"mtp.{d}.block." for d in range(args.mtp_layers)]
     for layer, ours in enumerate(blocks):

@@ -651,16 +651,20 @@ def torchtitan_tokenizer(folder: Path) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["llama3", "qwen3_moe"])
+@pytest.mark.parametrize("model", ["llama3", "qwen3_moe", "deepseek_v3"])
 def test_torchtitan_debug_config_trains_as_is(model: str, tmp_path: Path) -> None:
     """Their debug file, its hf_assets_path a folder like their test tokenizer, trains 2 steps
     on 2 ranks (float32 and no compile, to stay quick on a CPU): llama3 at their tp 2; their
-    qwen3 MoE debug model with fewer, smaller layers and experts."""
+    qwen3 MoE and deepseek_v3 debug models (the MoE file naming deepseek_v3's) with fewer,
+    smaller layers and experts."""
     import train_scenarios
     from pool import get_pool
 
     tokenizer = torchtitan_tokenizer(tmp_path / "debug_tokenizer")
     text = TT_DEBUG if model == "llama3" else TT_MOE_DEBUG
+    if model == "deepseek_v3":
+        text = text.replace('name = "qwen3"\nflavor = "debugmodel_moe"',
+                            'name = "deepseek_v3"\nflavor = "debugmodel"')  # fmt: skip
     source = tmp_path / "tt.toml"
     source.write_text(text.replace("./assets/debug_tokenizer", str(tokenizer)))
     argv = [
@@ -669,12 +673,16 @@ def test_torchtitan_debug_config_trains_as_is(model: str, tmp_path: Path) -> Non
         "--training.mixed_precision_param", "float32", "--compile.enable", "false",
         "--validation.steps", "1",
     ]  # fmt: skip
-    if model == "qwen3_moe":
+    if model != "llama3":
         argv += ["--model.n_layers", "2", "--model.num_experts", "4", "--model.top_k", "2",
                  "--model.moe_hidden_dim", "64"]  # fmt: skip
+    if model == "deepseek_v3":
+        argv += ["--model.kv_lora_rank", "32", "--model.qk_nope_head_dim", "16",
+                 "--model.qk_rope_head_dim", "8", "--model.v_head_dim", "16"]  # fmt: skip
     run = get_pool(2).run(train_scenarios.train, argv=argv)[0]
     losses = [r["loss"] for r in run["records"] if "loss" in r]
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    assert run["info"]["model_name"] == model
     if model == "llama3":
         assert run["info"]["parallel_degrees"]["tp"] == 2
         assert (tmp_path / "run" / "ckpt" / "step-2").is_dir()  # their checkpoint.folder

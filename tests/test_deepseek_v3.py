@@ -1,5 +1,7 @@
-"""The DeepSeek-V3 family: latent attention (its core, YaRN), published sizes, and a round
-trip through transformers' DeepseekV3ForCausalLM with equal logits."""
+"""The DeepSeek-V3 family: latent attention (its core, YaRN), published sizes, multi-token
+prediction (its targets and loss), and a round trip through transformers'
+DeepseekV3ForCausalLM with equal logits (MTP weights where the published checkpoints keep
+them)."""
 
 from __future__ import annotations
 
@@ -90,12 +92,121 @@ def test_published_parameter_counts(flavor: str) -> None:
     assert SPEC.flops_per_token(args, 1) < 6.2 * active < 0.3 * 6 * total
 
 
+def test_mtp_targets_skip_the_window_tail_and_other_documents() -> None:
+    """Depth d's target at position i is label i + d, none where i + d runs past the window,
+    where the label is ignored, or (with documents) where it belongs to another document
+    than position i's token."""
+    from titanlite.data.batches import IGNORE_INDEX
+    from titanlite.loss import mtp_labels
+
+    labels = torch.tensor([[11, 12, 13, 14, 15, 16, IGNORE_INDEX, 18]])
+    documents = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2]])  # label i is token i + 1's
+    plain, split = mtp_labels(labels, 2), mtp_labels(labels, 2, documents)
+    assert plain.shape == split.shape == (1, 3, 8)
+    for d in (1, 2):
+        for i in range(8):
+            want = labels[0, i + d].item() if i + d < 8 else IGNORE_INDEX
+            assert plain[0, d, i].item() == want, (d, i)
+            next_doc = documents[0, min(i + d + 1, 7)].item()  # the window's end: its last
+            same = i + d < 8 and next_doc == documents[0, i].item()
+            assert split[0, d, i].item() == (want if same else IGNORE_INDEX), (d, i)
+    assert torch.equal(split[:, 0], labels)
+    assert split[0, 1].tolist() == [12, -100, -100, 15, 16, -100, -100, -100]
+
+
+def test_mtp_loss_equals_a_direct_computation() -> None:
+    """Two depths on the tiny model: the decoder's training logits carry each depth's after
+    the main ones, and TrainingLoss's terms (cross-entropy, MTP loss) and objective equal
+    the published recipe computed here module by module: depth d joins the previous depth's
+    hidden state with the embedding of the token d ahead, and its cross-entropy covers the
+    targets d + 1 ahead."""
+    import torch.nn.functional as F
+
+    from titanlite.loss import TrainingLoss, mtp_labels
+
+    args = tiny_args(mtp_layers=2, mtp_loss_weight=0.25)
+    model = tiny_model(args, seed=2)
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 512, (2, 12), generator=g)
+    labels = torch.randint(0, 512, (2, 12), generator=g)
+    labels[0, 5] = -100
+    loss = TrainingLoss(0.0, 2, 0.25)
+    assert loss.names == ("loss", "mtp_loss")
+    objective, terms = loss(model(tokens), mtp_labels(labels, 2))
+    with torch.no_grad():
+        h = model.tok_embeddings(tokens)
+        for block in model.layers.values():
+            h = block(h, model.rope)
+        ce = F.cross_entropy(model.output(model.norm(h)).flatten(0, 1), labels.flatten(),
+                             reduction="sum", ignore_index=-100)  # fmt: skip
+        depth_losses = []
+        for d, depth in enumerate(model.mtp.values(), start=1):
+            ahead = torch.cat([tokens[:, d:], tokens[:, :d]], dim=1)
+            joined = torch.cat([depth.enorm(model.tok_embeddings(ahead)), depth.hnorm(h)], -1)
+            h = depth.block(depth.eh_proj(joined), model.rope)
+            logits = model.output(depth.norm(h))[:, : 12 - d]
+            depth_losses.append(F.cross_entropy(logits.flatten(0, 1), labels[:, d:].flatten(),
+                                                reduction="sum", ignore_index=-100))  # fmt: skip
+        mtp = sum(depth_losses) / 2
+    torch.testing.assert_close(terms, torch.stack([ce, mtp]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(objective.detach(), ce + 0.25 * mtp, rtol=1e-5, atol=1e-5)
+    assert mtp > 0 and not torch.allclose(depth_losses[0], depth_losses[1])
+    model.eval()  # evaluation and generation see the main logits only
+    assert model(tokens).shape == (2, 12, 512)
+    assert loss(model(tokens), labels)[1][1].item() == 0.0
+
+
+def test_training_step_gives_mtp_its_targets_within_documents() -> None:
+    """With training.document_mask, ParallelModel's training step hands the loss the MTP
+    targets of mtp_labels with the window's documents (BOS = 1 starts one mid-window): its
+    terms equal the loss of the document-masked logits against those targets, and differ
+    from the targets that ignore the documents."""
+    from titanlite.data.documents import DocumentMask
+    from titanlite.loss import TrainingLoss, mtp_labels
+    from titanlite.parallel.parallel_model import ParallelModel
+
+    model = tiny_model(tiny_args(mtp_layers=1), seed=4)
+    documents = DocumentMask(bos_id=1, eos_id=2)
+    loss = TrainingLoss(0.0, 1, 0.3)
+    parallel = ParallelModel([model], [model], loss, documents=documents, mtp_depths=1)
+    tokens = torch.randint(3, 512, (2, 12), generator=torch.Generator().manual_seed(5))
+    tokens[:, 6] = 1
+    labels = torch.roll(tokens, -1, dims=1)
+    terms = parallel.forward_backward(tokens, labels, 1.0)
+    ids = documents.ids(tokens)
+    with torch.no_grad():
+        logits = model(tokens, documents=ids)
+        within = loss(logits, mtp_labels(labels, 1, ids))[1]
+        across = loss(logits, mtp_labels(labels, 1))[1]
+    torch.testing.assert_close(terms, within, rtol=0, atol=0)
+    assert terms[1] != across[1]
+
+
+def test_mtp_with_pipeline_or_context_parallelism_is_refused_in_one_line() -> None:
+    from titanlite.checks import check
+    from titanlite.config import ConfigError, load_config
+
+    for key, name in (("pipeline", "pipeline_parallel_degree"),
+                      ("context", "context_parallel_degree")):  # fmt: skip
+        cfg = load_config(["--model.name", "deepseek_v3", "--model.mtp_layers", "1",
+                           f"--parallelism.{name}", "2"])  # fmt: skip
+        with pytest.raises(ConfigError) as info:
+            check(cfg, 2)
+        lines = str(info.value).splitlines()  # (context parallelism: MoE refuses it as well)
+        assert len(lines) == (1 if key == "pipeline" else 2)
+        assert lines[0] == (
+            f"parallelism.{name} 2: multi-token prediction (model.mtp_layers 1) does not run "
+            f"under {key} parallelism yet; set it to 1 or model.mtp_layers to 0"
+        )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "changes",
     [{}, {"q_lora_rank": 0, "rope_factor": 4.0, "rope_original_seq_len": 16,
-          "rope_mscale": 1.0, "rope_mscale_all_dim": 0.7, "tie_embeddings": True}],
-    ids=["low-rank-q", "full-q-yarn-tied"],
+          "rope_mscale": 1.0, "rope_mscale_all_dim": 0.7, "tie_embeddings": True},
+     {"mtp_layers": 1}],
+    ids=["low-rank-q", "full-q-yarn-tied", "mtp"],
 )  # fmt: skip
 def test_export_to_transformers_gives_equal_logits_and_imports_back(
     tmp_path: Path, changes: dict
@@ -108,12 +219,24 @@ def test_export_to_transformers_gives_equal_logits_and_imports_back(
     from titanlite.interop.checkpoint_model import load_checkpoint_model
 
     args = tiny_args(vocab_size=4096, **changes)
-    model = tiny_model(args, seed=1)
+    model = tiny_model(args, seed=1).eval()
     ckpt = write_checkpoint(tmp_path / "step-3", model)
     out = tmp_path / "hf"
     assert convert_to_hf.main([str(ckpt), str(out)]) == 0
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert config["num_nextn_predict_layers"] == args.mtp_layers
+    if args.mtp_layers:  # the depth as the block after the last, as DeepSeek-V3 ships it
+        from safetensors import safe_open
+
+        names = set()
+        for file in out.glob("*.safetensors"):
+            with safe_open(str(file), "pt") as f:
+                names |= set(f.keys())
+        mtp = {n for n in names if n.startswith("model.layers.3.")}
+        assert {f"model.layers.3.{n}" for n in ("enorm.weight", "hnorm.weight",
+                "eh_proj.weight", "shared_head.norm.weight", "shared_head.head.weight",
+                "embed_tokens.weight", "mlp.gate.weight")} <= mtp  # fmt: skip
     hf = transformers.DeepseekV3ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     x = torch.randint(4, 4096, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -125,6 +248,10 @@ def test_export_to_transformers_gives_equal_logits_and_imports_back(
     assert back.spec.name == "deepseek_v3" and back.args == model.args
     with torch.no_grad():
         assert torch.equal(back.model(x), ours)
+    restored = back.model.state_dict()
+    for name, tensor in model.state_dict().items():  # the MTP depth's weights too
+        assert torch.equal(restored[name], tensor), name
+    assert any(n.startswith("mtp.0.") for n in restored) == bool(args.mtp_layers)
 
 
 def write_checkpoint(folder: Path, model: Decoder) -> Path:
@@ -148,6 +275,7 @@ DSV3_ARGS = [
     "--training.steps", "8", "--training.seq_len", "32", "--metrics.log_freq", "1",
     "--validation.enable", "false", "--checkpoint.enable", "false",
     "--model.aux_loss_coef", "0.01", "--model.bias_update_rate", "0.001",
+    "--model.mtp_layers", "1", "--model.mtp_loss_weight", "0.3",
 ]  # fmt: skip
 
 
@@ -166,13 +294,16 @@ def by_step(run: dict, key: str) -> dict[int, float]:
 
 @pytest.mark.slow
 def test_tensor_and_expert_parallel_layouts_match_one_process(tmp_path: Path) -> None:
-    """deepseek_v3 debug (2 blocks: dense, then 8 experts in 4 groups; low-rank query), fp32,
-    aux loss and bias update on: dp_shard 2 x tp 2 (latent attention split by heads) and
-    ep 2 x dp_shard 2 against one process with the same global batch of 4, 8 steps: relative
-    loss and gradient-norm differences <= 1e-5."""
+    """deepseek_v3 debug (2 blocks: dense, then 8 experts in 4 groups; low-rank query; one
+    multi-token prediction depth), fp32, aux loss and bias update on: dp_shard 2 x tp 2
+    (latent attention split by heads) and ep 2 x dp_shard 2 against one process with the same
+    global batch of 4, 8 steps: relative loss, MTP loss and gradient-norm differences
+    <= 1e-5."""
     one = train(1, tmp_path / "one", 4)
     base, base_norm = by_step(one, "loss"), by_step(one, "grad_norm")
+    base_mtp = by_step(one, "mtp_loss")
     assert sorted(base) == list(range(1, 9)) and base[8] < base[1]
+    assert sorted(base_mtp) == list(range(1, 9)) and base_mtp[8] < base_mtp[1]
     worst = {}
     layouts = (("dp2_tp2", 2, ("--parallelism.tensor_parallel_degree", "2")),
                ("ep2_dp2", 1, ("--parallelism.expert_parallel_degree", "2")))  # fmt: skip
@@ -181,5 +312,113 @@ def test_tensor_and_expert_parallel_layouts_match_one_process(tmp_path: Path) ->
         loss, norm = by_step(run, "loss"), by_step(run, "grad_norm")
         worst[name] = max(abs(loss[s] - base[s]) / base[s] for s in base)
         worst[f"{name}_grad_norm"] = max(abs(norm[s] - base_norm[s]) / base_norm[s] for s in base)
+        mtp = by_step(run, "mtp_loss")
+        worst[f"{name}_mtp"] = max(abs(mtp[s] - base_mtp[s]) / base_mtp[s] for s in base)
     print(f"deepseek_v3 parity, worst relative differences: {worst}")
     assert all(v <= 1e-5 for v in worst.values()), worst
+
+
+# --------------------------------------------------------------------------- FP8 import
+def write_fp8_folder(folder: Path, block: int = 16) -> dict[str, torch.Tensor]:
+    """An HF DeepSeek-V3 folder of the tiny model (one MTP depth) whose projections are
+    float8 e4m3 with a float32 scale per block x block tile (edges partial), as DeepSeek-V3
+    and Kimi K2 are published; returns the float32 weights the scales stand for."""
+    from safetensors.torch import save_file
+
+    from titanlite.models.deepseek_v3 import hf
+
+    args = tiny_args(mtp_layers=1)
+    state = hf.to_hf_state_dict(tiny_model(args).state_dict(), args)
+    tensors, expected = {}, {}
+    for name, w in state.items():
+        if not name.endswith(("proj.weight", "mqa.weight")):  # norms, embeddings, routers stay
+            tensors[name] = expected[name] = w
+            continue
+        rows, cols = -(-w.shape[0] // block), -(-w.shape[1] // block)
+        scale = torch.zeros(rows, cols)
+        q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
+        expected[name] = torch.empty_like(w)
+        for r in range(rows):
+            for c in range(cols):
+                tile = (slice(r * block, (r + 1) * block), slice(c * block, (c + 1) * block))
+                scale[r, c] = w[tile].abs().max() / 448
+                q[tile] = (w[tile] / scale[r, c]).to(torch.float8_e4m3fn)
+                expected[name][tile] = q[tile].float() * scale[r, c]
+        tensors[name], tensors[name + "_scale_inv"] = q, scale
+    folder.mkdir()
+    save_file(tensors, str(folder / "model.safetensors"))
+    config = hf.to_hf_config(args) | {
+        "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                "fmt": "e4m3", "weight_block_size": [block, block]},
+    }  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    return expected
+
+
+def test_fp8_block_scaled_weights_import_dequantized_and_bad_scales_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every projection of an FP8 folder (16 x 16 blocks over 48-, 40- and 12-wide matrices:
+    partial edge blocks) imports as its float8 values times its block's scale; a folder
+    missing a scale or with one of the wrong shape exits 2 with one line."""
+    from safetensors.torch import load_file, save_file
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    import convert_from_hf
+
+    from titanlite.errors import UserError
+    from titanlite.interop.hf import load_hf
+    from titanlite.models.deepseek_v3 import hf
+
+    expected = write_fp8_folder(tmp_path / "fp8")
+    state, spec, args = load_hf(tmp_path / "fp8")
+    assert spec.name == "deepseek_v3" and args.mtp_layers == 1
+    want = hf.from_hf_state_dict(expected, args)
+    assert sorted(state) == sorted(want)
+    for name, tensor in want.items():
+        assert state[name].dtype == torch.float32 and torch.equal(state[name], tensor), name
+    without = {k: v for k, v in expected.items() if not k.startswith("model.layers.3.")}
+    with pytest.raises(UserError, match="no model.layers.3.. tensors; set it to 0"):
+        hf.from_hf_state_dict(without, args)  # transformers saves no MTP block
+    o_proj = expected["model.layers.0.self_attn.o_proj.weight"]
+    assert not torch.equal(o_proj, tiny_model(args).state_dict()["layers.0.attention.wo.weight"])
+    assert convert_from_hf.main([str(tmp_path / "fp8"), str(tmp_path / "ckpt")]) == 0
+    capsys.readouterr()
+
+    tensors = load_file(str(tmp_path / "fp8" / "model.safetensors"))
+    scale = "model.layers.1.mlp.experts.3.down_proj.weight_scale_inv"
+    broken = {"missing": {k: v for k, v in tensors.items() if k != scale},
+              "wrong shape": tensors | {scale: tensors[scale][:1]}}  # fmt: skip
+    lines = {}
+    for name, content in broken.items():
+        save_file(content, str(tmp_path / "fp8" / "model.safetensors"))
+        assert convert_from_hf.main([str(tmp_path / "fp8"), str(tmp_path / name)]) == 2
+        lines[name] = capsys.readouterr().err.strip().splitlines()
+    weight = scale.removesuffix("_scale_inv")
+    assert lines == {
+        "missing": [f"error: float8 weight {weight!r} has no {scale!r}"],
+        "wrong shape": [f"error: {scale!r} has shape [1, 1]; {weight!r} of shape [48, 12] in "
+                        "16x16 blocks needs [3, 1]"],
+    }  # fmt: skip
+
+
+@pytest.mark.slow
+def test_expert_parallel_checkpoint_resumes_in_one_process(tmp_path: Path) -> None:
+    """8 steps at ep 2 x dp_shard 2 (MTP, aux loss and routing-bias updates on) saving every
+    4; the step-4 checkpoint resumes in one process with the same global batch: steps 5-8's
+    loss and MTP loss within 1e-5 of the uninterrupted run (the experts, their routing biases
+    and the MTP depth restored whole from their ep shards)."""
+    import shutil
+
+    saving = ("--checkpoint.enable", "true", "--checkpoint.interval", "4")
+    four = train(4, tmp_path / "ep2", 1, "--parallelism.expert_parallel_degree", "2", *saving)
+    out = tmp_path / "one"
+    shutil.copytree(tmp_path / "ep2" / "checkpoint" / "step-4", out / "checkpoint" / "step-4")
+    one = train(1, out, 4, *saving)
+    assert any(r.get("kind") == "resume" and r["step"] == 4 for r in one["records"])
+    for key in ("loss", "mtp_loss"):
+        want, got = by_step(four, key), by_step(one, key)
+        assert sorted(got) == [5, 6, 7, 8], got
+        worst = max(abs(got[s] - want[s]) / want[s] for s in got)
+        print(f"deepseek_v3 ep 2 -> 1 process resume, worst relative {key} difference: {worst:.2e}")
+        assert worst <= 1e-5, (key, want, got)

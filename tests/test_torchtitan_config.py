@@ -316,7 +316,8 @@ def test_without_tokenizer_the_vocabulary_follows_titanlite_default() -> None:
             "[checkpoint]\ninitial_load_in_hf_quantized = true\n",
             "checkpoint.initial_load_in_hf_quantized",
         ),  # fmt: skip
-        ('[model]\nname = "deepseek_v3"\nflavor = "16B"\n', "model.name"),
+        ('[model]\nname = "llama4"\nflavor = "17bx16e"\n', "model.name"),
+        ('[model]\nname = "deepseek_v3"\nflavor = "1T"\n', "model.flavor"),
         ('[model]\nname = "qwen3"\nflavor = "72B"\n', "model.flavor"),
         ('[model]\nconverters = ["quantize.linear.mx"]\n', "model.converters"),
         ('[optimizer]\nname = "Adam"\n', "optimizer.name"),
@@ -358,6 +359,33 @@ def test_qwen3_moe_flavors_convert_to_qwen3_moe_with_torchtitan_shape(tt_flavor:
     args = REGISTRY["qwen3_moe"].make_args(flavor, vocab_size, 4096, model)
     built = {key: getattr(args, key) for key in {**shape, **TT_MOE_ROUTING}}
     assert built == {**shape, **TT_MOE_ROUTING}
+
+
+# TorchTitan v0.2's deepseek_v3 flavors (torchtitan/models/deepseek_v3/__init__.py): the
+# shape each must become, and the RoPE it trains with at training.seq_len (YaRN x40 past 4096).
+TT_DSV3 = {
+    "debugmodel": ("debugmodel", {"dim": 256, "n_layers": 6, "n_heads": 16, "q_lora_rank": 0, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "dense_hidden_dim": 1024, "first_k_dense": 1, "num_experts": 8, "top_k": 3, "moe_hidden_dim": 256, "shared_experts": 2, "score_func": "softmax", "norm_topk": False, "n_groups": 1, "route_scale": 1.0, "tie_embeddings": False, "rope_mscale_all_dim": 0.7, "vocab_size": 2048}),
+    "16B": ("16B", {"dim": 2048, "n_layers": 27, "n_heads": 16, "q_lora_rank": 0, "dense_hidden_dim": 10944, "num_experts": 64, "top_k": 6, "moe_hidden_dim": 1408, "shared_experts": 2, "score_func": "softmax", "norm_topk": False, "n_groups": 1, "rope_mscale_all_dim": 0.7, "vocab_size": 102400}),
+    "236B": ("671B", {"dim": 5120, "n_layers": 60, "n_heads": 128, "q_lora_rank": 1536, "dense_hidden_dim": 12288, "first_k_dense": 1, "num_experts": 160, "top_k": 6, "moe_hidden_dim": 1536, "shared_experts": 2, "score_func": "softmax", "norm_topk": False, "n_groups": 8, "topk_groups": 3, "route_scale": 16.0, "rope_mscale_all_dim": 1.0, "vocab_size": 102400}),
+    "671B": ("671B", {"dim": 7168, "n_layers": 61, "n_heads": 128, "first_k_dense": 3, "num_experts": 256, "top_k": 8, "shared_experts": 1, "score_func": "sigmoid", "norm_topk": True, "n_groups": 8, "topk_groups": 4, "route_scale": 2.5, "vocab_size": 129280}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("seq_len", [2048, 8192])
+@pytest.mark.parametrize("tt_flavor", list(TT_DSV3))
+def test_deepseek_v3_flavors_convert_with_torchtitan_shape(tt_flavor: str, seq_len: int) -> None:
+    flavor, shape = TT_DSV3[tt_flavor]
+    text = (f'[model]\nname = "deepseek_v3"\nflavor = "{tt_flavor}_flex_attn"\n'
+            f'hf_assets_path = "tok"\n[training]\nseq_len = {seq_len}\n')  # fmt: skip
+    conv = converted(text)
+    assert conv.blocking == []
+    model = dict(conv.config["model"])
+    assert (model.pop("name"), model.pop("flavor")) == ("deepseek_v3", flavor)
+    model.pop("tokenizer_path")
+    args = REGISTRY["deepseek_v3"].make_args(flavor, model.pop("vocab_size"), seq_len, model)
+    balancing = {"aux_loss_coef": 0.0, "bias_update_rate": 1e-3, "mtp_layers": 0}
+    want = {**shape, **balancing, "rope_factor": 40.0 if seq_len > 4096 else 1.0}
+    assert {key: getattr(args, key) for key in want} == want
 
 
 # Laid out like TorchTitan's qwen3_moe_debug.toml (same sections and keys, values of our own).
@@ -418,7 +446,7 @@ def test_torchtitan_moe_config_runs_as_is(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("name", "flavor", "key"),
-    [("deepseek_v3", "16B", "model.name"), ("qwen3", "72B", "model.flavor"), ("llama3", "debugmodel_moe", "model.flavor")],
+    [("llama4", "17bx16e", "model.name"), ("qwen3", "72B", "model.flavor"), ("llama3", "debugmodel_moe", "model.flavor")],
 )  # fmt: skip
 def test_refusals_list_the_registry_families(
     name: str, flavor: str, key: str, monkeypatch: pytest.MonkeyPatch
@@ -623,16 +651,20 @@ def torchtitan_tokenizer(folder: Path) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["llama3", "qwen3_moe"])
+@pytest.mark.parametrize("model", ["llama3", "qwen3_moe", "deepseek_v3"])
 def test_torchtitan_debug_config_trains_as_is(model: str, tmp_path: Path) -> None:
     """Their debug file, its hf_assets_path a folder like their test tokenizer, trains 2 steps
     on 2 ranks (float32 and no compile, to stay quick on a CPU): llama3 at their tp 2; their
-    qwen3 MoE debug model with fewer, smaller layers and experts."""
+    qwen3 MoE and deepseek_v3 debug models (the MoE file naming deepseek_v3's) with fewer,
+    smaller layers and experts."""
     import train_scenarios
     from pool import get_pool
 
     tokenizer = torchtitan_tokenizer(tmp_path / "debug_tokenizer")
     text = TT_DEBUG if model == "llama3" else TT_MOE_DEBUG
+    if model == "deepseek_v3":
+        text = text.replace('name = "qwen3"\nflavor = "debugmodel_moe"',
+                            'name = "deepseek_v3"\nflavor = "debugmodel"')  # fmt: skip
     source = tmp_path / "tt.toml"
     source.write_text(text.replace("./assets/debug_tokenizer", str(tokenizer)))
     argv = [
@@ -641,12 +673,16 @@ def test_torchtitan_debug_config_trains_as_is(model: str, tmp_path: Path) -> Non
         "--training.mixed_precision_param", "float32", "--compile.enable", "false",
         "--validation.steps", "1",
     ]  # fmt: skip
-    if model == "qwen3_moe":
+    if model != "llama3":
         argv += ["--model.n_layers", "2", "--model.num_experts", "4", "--model.top_k", "2",
                  "--model.moe_hidden_dim", "64"]  # fmt: skip
+    if model == "deepseek_v3":
+        argv += ["--model.kv_lora_rank", "32", "--model.qk_nope_head_dim", "16",
+                 "--model.qk_rope_head_dim", "8", "--model.v_head_dim", "16"]  # fmt: skip
     run = get_pool(2).run(train_scenarios.train, argv=argv)[0]
     losses = [r["loss"] for r in run["records"] if "loss" in r]
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    assert run["info"]["model_name"] == model
     if model == "llama3":
         assert run["info"]["parallel_degrees"]["tp"] == 2
         assert (tmp_path / "run" / "ckpt" / "step-2").is_dir()  # their checkpoint.folder

@@ -137,6 +137,16 @@ def check(cfg: JobConfig, world_size: int) -> Tokenizer | None:
                     f"parallelism.context_parallel_degree {degrees.cp}: {spec.name}'s linear "
                     "attention layers do not run under context parallelism yet; set it to 1"
                 )
+            depths = getattr(args, "mtp_layers", 0)
+            for key, degree in (
+                (("pipeline", degrees.pp), ("context", degrees.cp)) if degrees else ()
+            ):
+                if depths and degree > 1:
+                    problems.add(
+                        f"parallelism.{key}_parallel_degree {degree}: multi-token prediction "
+                        f"(model.mtp_layers {depths}) does not run under {key} parallelism yet; "
+                        "set it to 1 or model.mtp_layers to 0"
+                    )
             if degrees and spec.experts:
                 check_experts(cfg, degrees, problems)
                 if degrees.ep > 1 and args.num_experts % degrees.ep:

@@ -71,7 +71,7 @@ def dry_run(cfg: JobConfig, world_size: int, tokenizer_vocab: int) -> str:
             activation_checkpoint=cfg.activation_checkpoint,
             compile=cfg.compile,
             device=None,
-            loss_sum=TrainingLoss(cfg.training.z_loss_weight),
+            loss_sum=TrainingLoss.of(cfg.training.z_loss_weight, args),
             converters=converters.build(cfg.model.converters, cfg),
         ).parts
         plan = pipeline_plan(cfg.parallelism, degrees, args.n_layers, cfg.training.local_batch_size)

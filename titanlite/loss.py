@@ -6,6 +6,13 @@ weight times the square of each target position's log-partition ``logsumexp(logi
 which keeps the output logits from drifting to large magnitudes (PaLM, OLMo 2). Both are
 reported as separate terms (``loss`` and ``z_loss`` in metrics.jsonl); the objective that is
 differentiated is their sum.
+
+With multi-token prediction (``model.mtp_layers``, ``titanlite.models.mtp``) the training
+logits carry each depth's after the main ones, and the labels are ``mtp_labels``' [batch,
+1 + depths, seq]; ``mtp_loss`` is the mean over the depths of their summed cross-entropies
+and joins the objective times ``model.mtp_loss_weight``. Like every term it is divided by the
+global count of the main loss's target tokens (DeepSeek-V3's 1/T), so it is exact under any
+layout.
 """
 
 from __future__ import annotations
@@ -47,25 +54,73 @@ def z_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return (log_partition(logits).square() * targets).sum()
 
 
+def mtp_labels(
+    labels: torch.Tensor, depths: int, documents: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[batch, seq] labels -> [batch, 1 + depths, seq]: the labels, then depth d's targets
+    (the label d places later; none for the last d positions). With ``documents`` ([batch,
+    seq] document numbers of the input tokens) a target outside the document of its
+    position is ignored: depth d at position i sees only its own document."""
+    rows = [labels]
+    if documents is not None:  # each label's document (the window's last: its last token's)
+        label_docs = torch.cat([documents[:, 1:], documents[:, -1:]], dim=1)
+    for d in range(1, depths + 1):
+        ahead = torch.full_like(labels, IGNORE_INDEX)
+        ahead[:, :-d] = labels[:, d:]
+        if documents is not None:
+            apart = torch.ones_like(labels, dtype=torch.bool)
+            apart[:, :-d] = label_docs[:, d:] != documents[:, :-d]
+            ahead = ahead.masked_fill(apart, IGNORE_INDEX)
+        rows.append(ahead)
+    return torch.stack(rows, dim=1)
+
+
 class TrainingLoss:
     """``(logits, labels) -> (objective, terms)``: the objective summed over the target tokens
     (to differentiate) and its reported terms, detached, as a vector named by ``names``:
-    [cross-entropy] or [cross-entropy, weighted z-loss]. Without a z-loss the objective is
-    exactly ``cross_entropy_sum``."""
+    [cross-entropy], then the weighted z-loss and the (unweighted) MTP loss when on. Without
+    either the objective is exactly ``cross_entropy_sum``. Labels of [batch, seq] (an
+    evaluation: the logits have no MTP depths) give an MTP term of 0."""
 
-    def __init__(self, z_loss_weight: float = 0.0) -> None:
+    def __init__(
+        self, z_loss_weight: float = 0.0, mtp_layers: int = 0, mtp_weight: float = 0.0
+    ) -> None:
         self.z_loss_weight = z_loss_weight
-        self.names: tuple[str, ...] = ("loss", "z_loss") if z_loss_weight > 0 else ("loss",)
+        self.mtp_layers, self.mtp_weight = mtp_layers, mtp_weight
+        self.names: tuple[str, ...] = (
+            ("loss",) + ("z_loss",) * (z_loss_weight > 0) + ("mtp_loss",) * (mtp_layers > 0)
+        )
+
+    @classmethod
+    def of(cls, z_loss_weight: float, model_args: object) -> TrainingLoss:
+        """The loss of a run: training.z_loss_weight and the model's MTP depths, if any."""
+        depths = getattr(model_args, "mtp_layers", 0)
+        return cls(z_loss_weight, depths, getattr(model_args, "mtp_loss_weight", 0.0))
 
     def __call__(
         self, logits: torch.Tensor, labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        ahead = None
+        if labels.dim() == 3:  # mtp_labels: the main labels, then each depth's
+            seq = labels.shape[2]
+            logits, *ahead_logits = logits.split(seq, dim=1)
+            ahead = list(zip(ahead_logits, labels[:, 1:].unbind(1), strict=True))
+            labels = labels[:, 0]
         ce = cross_entropy_sum(logits, labels)
-        if self.z_loss_weight <= 0:
+        if len(self.names) == 1:
             return ce, plain(ce.detach()).reshape(1)
         ce = plain(ce)
-        z = self.z_loss_weight * z_loss_sum(logits, labels)
-        return ce + z, torch.stack([ce.detach(), z.detach()])
+        objective, terms = ce, [ce.detach()]
+        if self.z_loss_weight > 0:
+            z = self.z_loss_weight * z_loss_sum(logits, labels)
+            objective, terms = objective + z, [*terms, z.detach()]
+        if self.mtp_layers > 0:
+            mtp = ce.new_zeros(())
+            if ahead is not None:
+                mtp = sum(plain(cross_entropy_sum(x, y)) for x, y in ahead) / len(ahead)
+                objective = objective + self.mtp_weight * mtp
+            terms.append(mtp.detach())
+        return objective, torch.stack(terms)
 
 
 def plain(value: torch.Tensor) -> torch.Tensor:

@@ -96,7 +96,7 @@ class Trainer:
         if t.document_mask:
             bos, eos = self.tokenizer.bos_id, self.tokenizer.eos_id
             documents = DocumentMask(bos, eos, t.document_positions)
-        self.loss = TrainingLoss(t.z_loss_weight)  # cross-entropy (+ z-loss): loss.py
+        self.loss = TrainingLoss.of(t.z_loss_weight, self.model_args)  # (+ z, MTP): loss.py
         self.model = parallelize(
             model, self.spec, self.model_args, self.dims,
             parallelism=cfg.parallelism, training=t, activation_checkpoint=cfg.activation_checkpoint,

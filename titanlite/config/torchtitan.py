@@ -23,6 +23,7 @@ from titanlite.config.torchtitan_keys import (
     MAPPING,
     STATE_NAMES,
     TORCHTITAN_DEFAULTS,
+    TT_YARN_FROM,
     Rule,
 )
 from titanlite.models import REGISTRY
@@ -168,6 +169,8 @@ def convert(data: dict[str, Any]) -> Conversion:
         for key, value in overrides.items():
             if key != "vocab_size" or tokenizer:
                 conv.put("model.flavor", f"model.{key}", value)
+        if family == "deepseek_v3" and int(flat.get("training.seq_len", 2048)) > TT_YARN_FROM:
+            conv.put("model.flavor", "model.rope_factor", 40.0)
         if base != flavor:
             kind = ATTENTION_SUFFIXES[flavor[len(base) :]]
             note("model.flavor", f'titanlite has no {kind} attention: trains "{base}" with causal attention across packed documents')  # fmt: skip

@@ -28,6 +28,7 @@ from titanlite.models import attention
 from titanlite.models.interfaces import AttentionLayer, Heads
 from titanlite.models.layers import ROPE_STYLES, FeedForward, RMSNorm, rope_tables
 from titanlite.models.moe import MoE
+from titanlite.models.mtp import MTPDepth, tokens_ahead
 from titanlite.models.yarn import YaRN, yarn_tables
 
 
@@ -118,6 +119,15 @@ class Decoder(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        # Multi-token prediction depths (titanlite.models.mtp): blocks n_layers, n_layers + 1, ...
+        self.mtp: nn.ModuleDict | None = None
+        if getattr(args, "mtp_layers", 0):
+            self.mtp = nn.ModuleDict()
+            for d in range(args.mtp_layers):
+                block = TransformerBlock(args, args.n_layers + d)
+                if isinstance(block.feed_forward, MoE):
+                    block.feed_forward.layer_id = args.n_layers + d
+                self.mtp[str(d)] = MTPDepth(args, block)
         # Not persistent: recomputed by init_buffers, never checkpointed.
         rope = rope_table(args)
         self.register_buffer("rope", rope.to(torch.empty(0).device), persistent=False)
@@ -128,8 +138,10 @@ class Decoder(nn.Module):
         positions: torch.Tensor | None = None,
         documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Token ids -> logits; a pipeline stage (some modules set to None) maps its input
-        (ids, or the hidden states of the stage before) to its output the same way.
+        """Token ids -> logits (in training with ``mtp_layers`` depths [batch, (1 + depths) x
+        seq, vocab]: the main logits, then each depth's, ``titanlite.models.mtp``); a pipeline
+        stage (some modules set to None) maps its input (ids, or the hidden states of the
+        stage before) to its output the same way.
 
         ``positions`` ([seq], or [batch, seq]) are the tokens' RoPE positions when they are
         not 0, 1, ... (a context-parallel rank holds chunks of a longer sequence; positions
@@ -142,7 +154,15 @@ class Decoder(nn.Module):
             h = layer(h, rope, documents=documents)
         if self.output is None:
             return h
-        return self.output(self.norm(h)).float()
+        logits = self.output(self.norm(h)).float()
+        if self.mtp is None or not self.training:
+            return logits
+        # Training with multi-token prediction: each depth's logits follow along the sequence.
+        ahead = []
+        for d, depth in enumerate(self.mtp.values(), start=1):
+            h = depth(self.tok_embeddings(tokens_ahead(tokens, d)), h, rope, documents)
+            ahead.append(self.output(depth.norm(h)).float())
+        return torch.cat([logits, *ahead], dim=1)
 
     def init_buffers(self) -> None:
         """Recompute the RoPE tables on the model's device (after to_empty from meta) and

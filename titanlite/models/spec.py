@@ -66,10 +66,13 @@ TPStyle = Literal[
 
 @dataclass(frozen=True)
 class TensorParallelPlan:
-    """Module path -> style: ``root`` relative to the model, ``block`` to each block."""
+    """Module path -> style: ``root`` relative to the model, ``block`` to each block, and for
+    each container of ``extra`` (a module dict beside the blocks, e.g. multi-token prediction's
+    depths) relative to each of its children."""
 
     root: Mapping[str, TPStyle]
     block: Mapping[str, TPStyle]
+    extra: Mapping[str, Mapping[str, TPStyle]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,9 @@ def apply_fsdp(
     expert_units: Sequence[nn.Module] = (),
     expert_mesh: DeviceMesh | None = None,
 ) -> None:
-    """Each block is one FSDP unit (gathered just before it runs); the root unit holds what
-    is left (embeddings, final norm, output).
+    """Each block is one FSDP unit (gathered just before it runs), and so is each child of
+    the plan's other containers (``TensorParallelPlan.extra``: multi-token prediction
+    depths); the root unit holds what is left (embeddings, final norm, output).
 
     ``expert_units`` over ``expert_mesh``, under expert parallelism: each block's expert
     weights are a unit of their own over that mesh (the dp_shard ranks outside the ep
@@ -40,6 +41,9 @@ def apply_fsdp(
         param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype]
     )
     blocks = list(getattr(model, spec.blocks).values())
+    for container in spec.tp_plan.extra:  # units beside the blocks (multi-token prediction)
+        if getattr(model, container, None) is not None:
+            blocks += list(getattr(model, container).values())
     for i, block in enumerate(blocks):
         # By default the last block stays gathered: backward needs it again at once.
         keep = reshard_after_forward == "never" or (

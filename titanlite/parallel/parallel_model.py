@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titanlite.data.batches import IGNORE_INDEX
-from titanlite.loss import plain
+from titanlite.loss import mtp_labels, plain
 from titanlite.parallel.context import ContextParallel
 from titanlite.parallel.ddp import BucketedDDP
 from titanlite.parallel.ddp_support import all_reduce_after_backward, local_tensor
@@ -84,6 +84,9 @@ class ParallelModel:
     """Under tensor parallelism: weights of layers that run on each rank's sequence shard
     (a mixture of experts), whose gradients are partial sums over ``tp_group``."""
     tp_group: dist.ProcessGroup | None = None
+    mtp_depths: int = 0
+    """Multi-token prediction depths of the model (``model.mtp_layers``): training logits
+    carry theirs, and the loss gets their targets (``titanlite.loss.mtp_labels``)."""
 
     # ------------------------------------------------------------------ one micro-batch
     def forward_backward(
@@ -96,7 +99,7 @@ class ParallelModel:
         with self._train_context():
             if self.pipeline is not None:  # forward and backward in every stage
                 return self.pipeline.forward_backward(inputs, labels, scale)
-            objective, terms = self.loss_sum(self(inputs), self.local_labels(labels))
+            objective, terms = self.loss_sum(self(inputs), self._training_labels(inputs, labels))
             (objective * scale).backward()  # MoE layers add their balancing loss's gradient
         return terms
 
@@ -144,6 +147,15 @@ class ParallelModel:
         """This rank's share of a micro-batch's labels, whose loss it computes (its context
         chunks under CP): what to count target tokens in."""
         return labels if self.context is None else self.context.shard(labels)
+
+    def _training_labels(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """This rank's labels, with each MTP depth's targets when the model has depths (no
+        target across a document boundary under training.document_mask)."""
+        labels = self.local_labels(labels)
+        if not self.mtp_depths:
+            return labels
+        documents = self.documents.ids(inputs) if self.documents is not None else None
+        return mtp_labels(labels, self.mtp_depths, documents)
 
     @contextlib.contextmanager
     def _train_context(self) -> Iterator[None]:

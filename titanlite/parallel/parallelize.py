@@ -115,7 +115,7 @@ def parallelize(
     autocast = None if d.dp_shard > 1 or t.mixed_precision_param == "float32" else torch.bfloat16
     result = ParallelModel(
         parts, list(parts), loss_sum, loss_parallel=lp, autocast_dtype=autocast,
-        context=context, documents=documents,
+        context=context, documents=documents, mtp_depths=getattr(args, "mtp_layers", 0),
     )  # fmt: skip
     if d.ep > 1:
         result.expert_params = [p for m in expert_units for p in m.parameters()]

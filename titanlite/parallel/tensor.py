@@ -198,10 +198,15 @@ def apply_tp(model: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh, loss_parall
     root = {path: _style(s, loss_parallel) for path, s in plan.root.items() if _has(model, path)}
     parallelize_module(model, tp_mesh, root)
     block_plan = {path: _style(s, loss_parallel) for path, s in plan.block.items()}
-    for block in getattr(model, spec.blocks).values():
+    units = [(block, block_plan) for block in getattr(model, spec.blocks).values()]
+    for container, styles in plan.extra.items():
+        if _has(model, container):
+            child_plan = {path: _style(s, loss_parallel) for path, s in styles.items()}
+            units += [(child, child_plan) for child in model.get_submodule(container).values()]
+    for unit, unit_plan in units:
         # A hybrid's blocks differ (attention or linear attention): each takes its paths.
-        present = {path: style for path, style in block_plan.items() if _has(block, path)}
-        parallelize_module(block, tp_mesh, present)
+        present = {path: style for path, style in unit_plan.items() if _has(unit, path)}
+        parallelize_module(unit, tp_mesh, present)
     # Tied weights (embedding and output) are both split along the vocabulary, so the
     # owner's shards serve the alias too.
     retie(model, tied)

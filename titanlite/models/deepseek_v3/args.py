@@ -87,6 +87,11 @@ class DeepseekV3Args:
     """Tokens an expert takes at most, as a multiple of an even share (0 = dropless); tokens over it are dropped and counted."""
     router_z_loss_coef: float = 0.0
     """Weight of the router z-loss (ST-MoE; 0 = none)."""
+    # Multi-token prediction (titanlite.models.mtp).
+    mtp_layers: int = 0
+    """Multi-token prediction depths: depth d adds a block that predicts the token d + 1 after the next from depth d - 1's hidden state and the next token's embedding, trained only (0 = off; DeepSeek-V3 has 1)."""
+    mtp_loss_weight: float = 0.3
+    """Weight of the multi-token prediction loss (the mean over depths of their cross-entropies) in the training objective; logged apart as mtp_loss (DeepSeek-V3: 0.3, later 0.1)."""
 
     qk_norm: ClassVar[bool] = False
     rope_style: ClassVar[str] = "interleaved"  # DeepSeek's checkpoints (HF rope_interleave)
@@ -132,7 +137,8 @@ class DeepseekV3Args:
             raise ValueError(f"score_func must be one of {', '.join(SCORE_FUNCS)}, got "
                              f"{self.score_func!r}")  # fmt: skip
         for name in ("q_lora_rank", "shared_experts", "aux_loss_coef", "bias_update_rate",
-                     "capacity_factor", "router_z_loss_coef"):  # fmt: skip
+                     "capacity_factor", "router_z_loss_coef", "mtp_layers",
+                     "mtp_loss_weight"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.top_k > self.num_experts:
@@ -183,4 +189,5 @@ OVERRIDES = (
     "rope_mscale_all_dim", "dense_hidden_dim", "first_k_dense", "num_experts", "top_k",
     "moe_hidden_dim", "shared_experts", "score_func", "norm_topk", "n_groups", "topk_groups",
     "route_scale", "aux_loss_coef", "bias_update_rate", "capacity_factor", "router_z_loss_coef",
+    "mtp_layers", "mtp_loss_weight",
 )  # fmt: skip

@@ -9,6 +9,12 @@ transformers 5's fused in-memory layout). RoPE pairs are interleaved on both sid
 (``rope_interleave``), so no weight is permuted. The routing bias is the router's
 ``e_score_correction_bias``.
 
+Multi-token prediction depth d is written as block ``n_layers + d`` (``model.layers.61`` for
+DeepSeek-V3), as the published checkpoints keep it: the block's usual names plus ``enorm``,
+``hnorm``, ``eh_proj``, ``shared_head.norm`` and copies of the embedding and output head
+(``embed_tokens``, ``shared_head.head``; import takes the model's own).
+``DeepseekV3ForCausalLM`` skips that block when it loads (a warning names its tensors).
+
 What Hugging Face's DeepSeek-V3 cannot express is refused on export: softmax scores (it is
 sigmoid only) and a capacity factor (it is dropless).
 """
@@ -72,9 +78,26 @@ def _refuse_what_hf_lacks(args: DeepseekV3Args) -> None:
             )
 
 
+MTP_NAMES = {  # titanlite (within mtp.D) -> HF (within the block after the last)
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "norm.weight": "shared_head.norm.weight",
+}
+MTP_SHARED = {
+    "tok_embeddings.weight": "embed_tokens.weight",
+    "output.weight": "shared_head.head.weight",
+}
+"""Copies of the shared embedding and output head that the published checkpoints keep in
+each multi-token prediction block: written on export, taken as the shared ones on import."""
+_MTP = re.compile(r"mtp\.(\d+)\.(.+)")
+
+
 def to_hf_state_dict(
     state: Mapping[str, torch.Tensor], args: DeepseekV3Args, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
+    """Blocks as ``model.layers.N``; multi-token prediction depth d as block n_layers + d,
+    where DeepSeek-V3's checkpoints keep it."""
     _refuse_what_hf_lacks(args)
 
     def put(name: str, tensor: torch.Tensor) -> None:
@@ -86,19 +109,30 @@ def to_hf_state_dict(
             if not (name == "output.weight" and args.tie_embeddings):
                 put(decoder_hf.TOP_NAMES[name], tensor)
             continue
-        match = _LAYER.fullmatch(name)
-        if match is None:
+        if match := _LAYER.fullmatch(name):
+            ours, layer, rest = f"layers.{match.group(1)}.", int(match.group(1)), match.group(2)
+        elif match := _MTP.fullmatch(name):
+            layer = args.n_layers + int(match.group(1))
+            if match.group(2) in MTP_NAMES:
+                put(f"model.layers.{layer}.{MTP_NAMES[match.group(2)]}", tensor)
+                continue
+            ours, rest = f"mtp.{match.group(1)}.block.", match.group(2).removeprefix("block.")
+        else:
             raise KeyError(name)
-        layer, rest = int(match.group(1)), match.group(2)
         prefix = f"model.layers.{layer}."
         if rest == "attention.wkv_a.weight":
-            latent = torch.cat([tensor, state[f"layers.{layer}.attention.wk_rope.weight"]])
+            latent = torch.cat([tensor, state[f"{ours}attention.wk_rope.weight"]])
             put(prefix + KV_A, latent)
         elif rest.startswith("feed_forward.experts."):
             for e, matrix in enumerate(tensor.detach()):  # [in, out] -> HF's [out, in]
                 put(f"{prefix}mlp.experts.{e}.{PROJECTIONS[rest[-2:]]}.weight", matrix.t())
         elif rest != "attention.wk_rope.weight":
             put(prefix + layer_names(args, layer)[rest], tensor)
+    embedding = state["tok_embeddings.weight"]  # the output head too when tied
+    for d in range(args.mtp_layers):
+        for ours, hf in MTP_SHARED.items():
+            # A copy of its own: safetensors refuses tensors that share memory.
+            put(f"model.layers.{args.n_layers + d}.{hf}", state.get(ours, embedding).clone())
     return out
 
 
@@ -119,15 +153,30 @@ def from_hf_state_dict(
         if name == "output.weight" and args.tie_embeddings and hf not in given:
             continue
         out[name] = take(hf)
-    for layer in range(args.n_layers):
+    mtp_block = f"model.layers.{args.n_layers}."
+    if args.mtp_layers and not any(name.startswith(mtp_block) for name in given):
+        raise UserError(
+            f"config.json's num_nextn_predict_layers {args.mtp_layers} names multi-token "
+            f"prediction blocks, but the folder has no {mtp_block}* tensors; set it to 0 to "
+            "import the model without them"
+        )
+    blocks = [f"layers.{i}." for i in range(args.n_layers)]
+    blocks += [f"mtp.{d}.block." for d in range(args.mtp_layers)]
+    for layer, ours in enumerate(blocks):
         prefix = f"model.layers.{layer}."
         for name, hf in layer_names(args, layer).items():
-            out[f"layers.{layer}.{name}"] = take(prefix + hf)
+            out[ours + name] = take(prefix + hf)
         latent, rope = take(prefix + KV_A).split([args.kv_lora_rank, args.qk_rope_head_dim])
-        out[f"layers.{layer}.attention.wkv_a.weight"] = latent
-        out[f"layers.{layer}.attention.wk_rope.weight"] = rope
+        out[ours + "attention.wkv_a.weight"] = latent
+        out[ours + "attention.wk_rope.weight"] = rope
         if layer >= args.first_k_dense:
-            out.update(_experts(given, take, args, layer))
+            for name, tensor in _experts(given, take, args, layer).items():
+                out[ours + name] = tensor
+    for d in range(args.mtp_layers):
+        prefix = f"model.layers.{args.n_layers + d}."
+        for name, hf in MTP_NAMES.items():
+            out[f"mtp.{d}.{name}"] = take(prefix + hf)
+        used.update(prefix + hf for hf in MTP_SHARED.values())  # the shared ones serve
     if args.tie_embeddings:
         out["output.weight"] = out["tok_embeddings.weight"]
     stray = sorted(set(given) - used)
@@ -152,7 +201,7 @@ def _experts(
             stacked = torch.stack(
                 [take(f"{prefix}{e}.{proj}.weight") for e in range(args.num_experts)]
             )
-        out[f"layers.{layer}.feed_forward.experts.{weight}"] = stacked.transpose(1, 2)
+        out[f"feed_forward.experts.{weight}"] = stacked.transpose(1, 2)
     return out
 
 
@@ -198,7 +247,7 @@ def to_hf_config(
         "routed_scaling_factor": args.route_scale,
         "scoring_func": args.score_func,
         "topk_method": "noaux_tc",
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": args.mtp_layers,
     }
 
 
@@ -244,6 +293,7 @@ def from_hf_config(config: Mapping[str, Any]) -> DeepseekV3Args:
             n_groups=int(config.get("n_group") or 1),
             topk_groups=int(config.get("topk_group") or 1),
             route_scale=float(config.get("routed_scaling_factor", 1.0)),
+            mtp_layers=int(config.get("num_nextn_predict_layers") or 0),
             **yarn,
         )
 

@@ -73,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(help_text() + "\n")
             return EXIT_OK
         cfg = load_config(argv)
+        if cfg.job.dry_run:  # the report alone, as ./run_train.sh gives it: never a Trainer
+            from titanlite import preflight
+
+            status = preflight.main(argv)
+            return EXIT_OK if status == preflight.EXIT_NO_LAUNCH else status
         trainer = Trainer(cfg)
         trainer.train()
         done, trainer = trainer, None

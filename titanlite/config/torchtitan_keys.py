@@ -46,6 +46,10 @@ FLAVORS: dict[tuple[str, str], tuple[str, str, dict[str, Any]]] = {
     ("qwen3", "debugmodel_moe"): ("qwen3_moe", "debugmodel", {"n_layers": 8, "n_heads": 16, "n_kv_heads": 8, "head_dim": 128, "num_experts": 64, "top_k": 8, "moe_hidden_dim": 768, "tie_embeddings": False, **TT_BALANCING, "vocab_size": 2048}),
     ("qwen3", "30B-A3B"): ("qwen3_moe", "30B-A3B", {**TT_BALANCING, "vocab_size": 151936}),
     ("qwen3", "235B-A22B"): ("qwen3_moe", "235B-A22B", {"rope_theta": 5_000_000.0, **TT_BALANCING, "vocab_size": 151936}),
+    # gpt_oss: its debug model keeps the published heads and expert width on 4 layers of dim
+    # 256 with top-4 of 8 experts and windows of 128; its vocabulary is always the published one.
+    ("gpt_oss", "debugmodel"): ("gpt_oss", "debugmodel", {"n_heads": 64, "n_kv_heads": 8, "head_dim": 64, "top_k": 4, "moe_hidden_dim": 2880, "sliding_window": 128, **TT_BALANCING, "vocab_size": 201088}),
+    **{("gpt_oss", f): ("gpt_oss", f, {**TT_BALANCING, "vocab_size": 201088}) for f in ("20b", "120b")},
 }  # fmt: skip
 
 MAPPING: dict[str, Rule] = {
@@ -55,7 +59,7 @@ MAPPING: dict[str, Rule] = {
     "job.print_args": Rule(note="older TorchTitan key; titanlite writes the resolved config to job.dump_folder/config.toml"),
     "job.save_config_file": Rule(note="titanlite always writes job.dump_folder/config.toml", inert=()),
     "job.custom_config_module": Rule(note="titanlite cannot load TorchTitan config extensions; remove it", inert=("",), blocks=True),
-    "model.name": Rule("model.name", f"TorchTitan's llama3 and qwen3 (its MoE flavors become qwen3_moe); titanlite's families are {', '.join(REGISTRY)}; others block", special=True),
+    "model.name": Rule("model.name", f"TorchTitan's llama3, qwen3 (its MoE flavors become qwen3_moe) and gpt_oss; titanlite's families are {', '.join(REGISTRY)}; others block", special=True),
     "model.flavor": Rule("model.flavor", "same name, with overrides giving TorchTitan's model where it differs (debugmodel; MoE flavors balance experts as TorchTitan does); flex/varlen flavors use causal attention", special=True),
     "model.hf_assets_path": Rule("model.tokenizer_path", "the folder's tokenizer.json is read; with a tokenizer, model.vocab_size is the flavor's", special=True),
     "model.tokenizer_path": Rule("model.tokenizer_path", "deprecated in TorchTitan; wins over hf_assets_path there and here", special=True),

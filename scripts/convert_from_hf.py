@@ -1,10 +1,11 @@
-"""Import a Hugging Face Llama or Qwen3 folder as a titanlite checkpoint (model weights only).
+"""Import a Hugging Face folder as a titanlite checkpoint (model weights only).
 
     python scripts/convert_from_hf.py hf/llama-folder outputs/init/step-0
 
 The result is a complete titanlite checkpoint folder (DCP "model" + titanlite.json with
 model_only=true), usable as ``checkpoint.initial_load_path`` or by scripts/generate.py.
-Reads config.json and model.safetensors (or a sharded index); the folder's tokenizer
+Reads config.json and model.safetensors (or a sharded index), dequantizing MXFP4 experts
+(gpt-oss's published checkpoints: ``*_blocks`` and ``*_scales``); the folder's tokenizer
 (tokenizer.json with its tokenizer_config.json, else tokenizer.model), if any, is copied in. Weights are stored in float32, as titanlite trains.
 Writing into a run's folder (e.g. outputs/debug/checkpoint/step-0), the script holds that
 folder's run.lock meanwhile, and refuses with one line while a run holds it.

@@ -99,3 +99,76 @@ def test_export_gives_transformers_the_same_logits_and_imports_back(tmp_path: Pa
     assert back.spec.name == "gpt_oss" and back.args == model.args
     with torch.no_grad():
         assert torch.equal(back.model(x), ours)
+
+
+# e2m1 by 4-bit code (sign bit 3): OCP microscaling's table, written out independently of
+# titanlite.interop.mxfp4's derivation from the bits.
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+def mxfp4_pack(shape: tuple[int, ...], g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """Random MXFP4 ``_blocks`` [experts, rows, groups, 16] and ``_scales`` for an
+    [experts, in, out] tensor, and the values they encode in that layout: every value
+    exactly representable (codes times powers of two from 2^-9 to 2^4)."""
+    experts, inputs, rows = shape
+    codes = torch.randint(0, 16, (experts, rows, inputs // 32, 32), generator=g)
+    scales = torch.randint(118, 132, (experts, rows, inputs // 32), generator=g).to(torch.uint8)
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)  # even: low nibble
+    values = torch.tensor(E2M1)[codes] * 2.0 ** (scales.double() - 127)[..., None]
+    return blocks, scales, values.flatten(-2).transpose(1, 2).float()
+
+
+def test_mxfp4_experts_import_to_the_values_they_encode(tmp_path: Path, capsys) -> None:
+    """A gpt-oss folder as published (experts as MXFP4 blocks and scales, a
+    quantization_config) imports with every expert weight equal to the value its codes and
+    exponents encode, and the rest as exported; incomplete or misshapen MXFP4 tensors are
+    one line and exit status 2."""
+    from safetensors.torch import load_file, save_file
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    import convert_from_hf
+    import convert_to_hf
+
+    from titanlite.interop.checkpoint_model import load_checkpoint_model
+
+    args = tiny()
+    model = Decoder(args)
+    init_parameters(model, lambda name: SPEC.init_rule(args, name), 1)
+    model.init_buffers()
+    hf = tmp_path / "hf"
+    assert convert_to_hf.main([str(write_checkpoint(tmp_path / "step-1", model)), str(hf)]) == 0
+    tensors = load_file(str(hf / "model.safetensors"))
+    g, expected = torch.Generator().manual_seed(3), {}
+    for name in [k for k in tensors if k.endswith(("gate_up_proj", "down_proj"))]:
+        blocks, scales, expected[name] = mxfp4_pack(tuple(tensors.pop(name).shape), g)
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+    save_file(tensors, str(hf / "model.safetensors"))
+    config = json.loads((hf / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (hf / "config.json").write_text(json.dumps(config))
+
+    assert convert_from_hf.main([str(hf), str(tmp_path / "back")]) == 0
+    back = load_checkpoint_model(tmp_path / "back").model.state_dict()
+    for layer in range(args.n_layers):
+        mine, theirs = f"layers.{layer}.feed_forward.experts.", f"model.layers.{layer}.mlp.experts."
+        gate_up, down = expected[theirs + "gate_up_proj"], expected[theirs + "down_proj"]
+        assert torch.equal(back[mine + "w1"], gate_up[..., 0::2])
+        assert torch.equal(back[mine + "w3"], gate_up[..., 1::2])
+        assert torch.equal(back[mine + "w2"], down)
+    for name, tensor in model.state_dict().items():
+        if ".experts.w" not in name:
+            assert torch.equal(back[name], tensor), name
+    assert len(set(back["layers.0.feed_forward.experts.w2"].abs().flatten().tolist())) > 8
+
+    down = "model.layers.1.mlp.experts.down_proj"
+    broken = {
+        "missing scales": {k: v for k, v in tensors.items() if k != down + "_scales"},
+        "wrong scales": tensors | {down + "_scales": tensors[down + "_scales"][:, 1:].contiguous()},
+    }
+    for case, state in broken.items():
+        save_file(state, str(hf / "model.safetensors"))
+        capsys.readouterr()
+        assert convert_from_hf.main([str(hf), str(tmp_path / case)]) == 2, case
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and down in lines[0] and "MXFP4" in lines[0], (case, lines)
+        assert "Error" not in lines[0], lines

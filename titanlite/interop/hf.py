@@ -22,6 +22,7 @@ import torch
 from titanlite import models
 from titanlite.data.tokenizer import Tokenizer
 from titanlite.errors import UserError
+from titanlite.interop import mxfp4
 from titanlite.interop.checkpoint_model import spec_and_args
 from titanlite.interop.folders import atomic_folder, check_output_folder, read_json, write_json
 from titanlite.models.spec import ModelSpec
@@ -197,7 +198,8 @@ def load_hf(path: str | Path) -> tuple[dict[str, torch.Tensor], ModelSpec, Any]:
             state |= safetensors.torch.load_file(str(file))
         except (safetensors.SafetensorError, OSError) as e:
             raise UserError(f"safetensors file {str(file)!r} is unreadable ({e})") from None
-    return adapter.from_hf_state_dict(state, args), spec, args
+    # Quantized experts (gpt-oss's MXFP4 blocks and scales) become plain tensors first.
+    return adapter.from_hf_state_dict(mxfp4.dequantize(state), args), spec, args
 
 
 def _safetensors_files(path: Path) -> list[str]:

@@ -429,6 +429,22 @@ selective_ac_option = "op"
 """
 
 
+def test_torchtitan_gpt_oss_debug_file_loads_as_the_gpt_oss_family(tmp_path: Path) -> None:
+    """A file laid out like their gpt_oss debug_model.toml (its [model], [training] and
+    [parallelism] keys, values of our own) loads as a gpt_oss config whose model builds."""
+    text = TT_MOE_DEBUG.replace('name = "qwen3"', 'name = "gpt_oss"').replace(
+        'flavor = "debugmodel_moe"', 'flavor = "debugmodel"'
+    )
+    assert converted(text).blocking == []
+    source = tmp_path / "tt.toml"
+    source.write_text(text)
+    cfg = load_config(["--job.config_file", str(source)])
+    assert (cfg.model.name, cfg.model.flavor, cfg.model.top_k) == ("gpt_oss", "debugmodel", 4)
+    spec, args = build_model_args(cfg, 2000)
+    shape = (args.vocab_size, args.n_heads, args.sliding_window, args.attention_sinks)
+    assert spec.name == "gpt_oss" and shape == (201088, 64, 128, True)
+
+
 def test_torchtitan_moe_config_runs_as_is(tmp_path: Path) -> None:
     """Their qwen3 MoE debug file loads as a qwen3_moe config whose model builds (args
     checked), the command line still winning."""

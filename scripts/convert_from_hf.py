@@ -5,9 +5,11 @@
 The result is a complete titanlite checkpoint folder (DCP "model" + titanlite.json with
 model_only=true), usable as ``checkpoint.initial_load_path`` or by scripts/generate.py.
 Reads config.json and model.safetensors (or a sharded index); the folder's tokenizer
-(tokenizer.json with its tokenizer_config.json, else tokenizer.model), if any, is copied in. Weights are stored in float32, as titanlite trains;
-FP8 weights with per-block scales (DeepSeek-V3 and Kimi K2 as published: config.json's
-quantization_config, ``*.weight_scale_inv``) are dequantized first.
+(tokenizer.json with its tokenizer_config.json, else tokenizer.model), if any, is copied in.
+Weights are stored in float32, as titanlite trains; quantized published checkpoints are
+dequantized first: FP8 weights with per-block scales (DeepSeek-V3 and Kimi K2: config.json's
+quantization_config, ``*.weight_scale_inv``) and MXFP4 experts (gpt-oss: ``*_blocks`` and
+``*_scales``).
 Writing into a run's folder (e.g. outputs/debug/checkpoint/step-0), the script holds that
 folder's run.lock meanwhile, and refuses with one line while a run holds it.
 """

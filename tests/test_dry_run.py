@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_train
+from conftest import REPO, run_train, subprocess_env
 from test_preflight import one_line_error, run_preflight
 
 CONFIG_405B = str(REPO / "train_configs" / "llama3_405b.toml")
@@ -200,3 +202,24 @@ def test_moe_dry_run_all_to_all_bytes_follow_the_formula() -> None:
     elements = int(_figure(r"model state \(([\d,]+) elements\)", out).replace(",", ""))
     assert elements == 4 * 3 * 256 * 256, out
     assert "all-to-all      none" in report(1)
+
+
+def test_the_training_module_dry_runs_gpt_oss_120b_without_building_it(tmp_path: Path) -> None:
+    """`python -m titanlite.train --job.dry_run` without the launcher prints the report and
+    exits 0, as ./run_train.sh's preflight does. It used to start a Trainer instead: gpt-oss
+    120b at 4,096 tokens built and initialized 117 B real parameters (over 12 minutes and
+    7.7 GB before it was stopped)."""
+    argv = [
+        "--job.dry_run", "true", "--model.name", "gpt_oss", "--model.flavor", "120b",
+        "--model.vocab_size", "201088", "--training.seq_len", "4096",
+        "--job.dump_folder", str(tmp_path / "run"),
+    ]  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "titanlite.train", *argv], cwd=REPO, env=subprocess_env(tmp_path),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "dry run: gpt_oss/120b on 1 ranks" in result.stdout, result.stdout
+    total = int(_figure(r"parameters\s+([\d,]+)", result.stdout).replace(",", ""))
+    assert abs(total / 116.83e9 - 1) < 0.005  # OpenAI's model card
+    assert not (tmp_path / "run").exists()  # nothing trained, nothing written

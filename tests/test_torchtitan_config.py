@@ -388,6 +388,32 @@ def test_deepseek_v3_flavors_convert_with_torchtitan_shape(tt_flavor: str, seq_l
     assert {key: getattr(args, key) for key in want} == want
 
 
+# TorchTitan v0.2's gpt_oss flavors (torchtitan/models/gpt_oss/__init__.py and model/args.py):
+# the published heads, expert width, windows of 128 on every other layer from the first, sinks,
+# a biased softmax top-4 router renormalized over the chosen, its 201,088-token vocabulary, and
+# TorchTitan's balancing by a routing bias moved 1e-3 a step.
+TT_GPT_OSS = {
+    "debugmodel": {"dim": 256, "n_layers": 4, "num_experts": 8},
+    "20b": {"dim": 2880, "n_layers": 24, "num_experts": 32},
+    "120b": {"dim": 2880, "n_layers": 36, "num_experts": 128},
+}
+TT_GPT_OSS_COMMON = {"n_heads": 64, "n_kv_heads": 8, "head_dim": 64, "top_k": 4, "moe_hidden_dim": 2880, "sliding_window": 128, "window_pattern": "LG", "attention_sinks": True, "rope_theta": 150000.0, "vocab_size": 201088, **TT_MOE_ROUTING, "norm_eps": 1e-5}  # fmt: skip
+
+
+@pytest.mark.parametrize("flavor", list(TT_GPT_OSS))
+def test_gpt_oss_flavors_convert_with_torchtitan_shape(flavor: str) -> None:
+    text = f'[model]\nname = "gpt_oss"\nflavor = "{flavor}"\nhf_assets_path = "tok"\n'
+    conv = converted(text)
+    assert conv.blocking == [] and "model.flavor" not in dropped_keys(conv)
+    model = dict(conv.config["model"])
+    assert (model.pop("name"), model.pop("flavor"), model.pop("tokenizer_path")) == (
+        "gpt_oss", flavor, "tok",
+    )  # fmt: skip
+    args = REGISTRY["gpt_oss"].make_args(flavor, model.pop("vocab_size"), 4096, model)
+    expected = TT_GPT_OSS[flavor] | TT_GPT_OSS_COMMON
+    assert {key: getattr(args, key) for key in expected} == expected
+
+
 # Laid out like TorchTitan's qwen3_moe_debug.toml (same sections and keys, values of our own).
 TT_MOE_DEBUG = """
 [job]
@@ -429,6 +455,22 @@ export_dtype = "float32"
 mode = "selective"
 selective_ac_option = "op"
 """
+
+
+def test_torchtitan_gpt_oss_debug_file_loads_as_the_gpt_oss_family(tmp_path: Path) -> None:
+    """A file laid out like their gpt_oss debug_model.toml (its [model], [training] and
+    [parallelism] keys, values of our own) loads as a gpt_oss config whose model builds."""
+    text = TT_MOE_DEBUG.replace('name = "qwen3"', 'name = "gpt_oss"').replace(
+        'flavor = "debugmodel_moe"', 'flavor = "debugmodel"'
+    )
+    assert converted(text).blocking == []
+    source = tmp_path / "tt.toml"
+    source.write_text(text)
+    cfg = load_config(["--job.config_file", str(source)])
+    assert (cfg.model.name, cfg.model.flavor, cfg.model.top_k) == ("gpt_oss", "debugmodel", 4)
+    spec, args = build_model_args(cfg, 2000)
+    shape = (args.vocab_size, args.n_heads, args.sliding_window, args.attention_sinks)
+    assert spec.name == "gpt_oss" and shape == (201088, 64, 128, True)
 
 
 def test_torchtitan_moe_config_runs_as_is(tmp_path: Path) -> None:

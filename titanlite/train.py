@@ -73,6 +73,14 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(help_text() + "\n")
             return EXIT_OK
         cfg = load_config(argv)
+        if cfg.job.dry_run:  # the report alone, as ./run_train.sh gives it: never a Trainer
+            from titanlite.checks import check
+            from titanlite.dry_run import dry_run
+
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            tokenizer = check(cfg, world)
+            sys.stdout.write(dry_run(cfg, world, tokenizer.vocab_size if tokenizer else 0) + "\n")
+            return EXIT_OK
         trainer = Trainer(cfg)
         trainer.train()
         done, trainer = trainer, None

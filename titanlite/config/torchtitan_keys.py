@@ -55,6 +55,10 @@ FLAVORS: dict[tuple[str, str], tuple[str, str, dict[str, Any]]] = {
     ("deepseek_v3", "16B"): ("deepseek_v3", "16B", {**TT_DSV3_ROPE, **TT_BALANCING, "vocab_size": 102400}),
     ("deepseek_v3", "236B"): ("deepseek_v3", "671B", {"dim": 5120, "n_layers": 60, "dense_hidden_dim": 12288, "first_k_dense": 1, "num_experts": 160, "top_k": 6, "moe_hidden_dim": 1536, "shared_experts": 2, **TT_SOFTMAX_ROUTING, "n_groups": 8, "topk_groups": 3, "route_scale": 16.0, "rope_factor": 1.0, **TT_BALANCING, "vocab_size": 102400}),
     ("deepseek_v3", "671B"): ("deepseek_v3", "671B", {"rope_factor": 1.0, **TT_BALANCING, "vocab_size": 129280}),
+    # gpt_oss: its debug model keeps the published heads and expert width on 4 layers of dim
+    # 256 with top-4 of 8 experts and windows of 128; its vocabulary is always the published one.
+    ("gpt_oss", "debugmodel"): ("gpt_oss", "debugmodel", {"n_heads": 64, "n_kv_heads": 8, "head_dim": 64, "top_k": 4, "moe_hidden_dim": 2880, "sliding_window": 128, **TT_BALANCING, "vocab_size": 201088}),
+    **{("gpt_oss", f): ("gpt_oss", f, {**TT_BALANCING, "vocab_size": 201088}) for f in ("20b", "120b")},
 }  # fmt: skip
 TT_YARN_FROM = 4096
 """TorchTitan's DeepSeek-V3 stretches RoPE (YaRN, factor 40) only for training.seq_len above
@@ -67,7 +71,7 @@ MAPPING: dict[str, Rule] = {
     "job.print_args": Rule(note="older TorchTitan key; titanlite writes the resolved config to job.dump_folder/config.toml"),
     "job.save_config_file": Rule(note="titanlite always writes job.dump_folder/config.toml", inert=()),
     "job.custom_config_module": Rule(note="titanlite cannot load TorchTitan config extensions; remove it", inert=("",), blocks=True),
-    "model.name": Rule("model.name", f"TorchTitan's llama3, qwen3 (its MoE flavors become qwen3_moe) and deepseek_v3; titanlite's families are {', '.join(REGISTRY)}; others block", special=True),
+    "model.name": Rule("model.name", f"TorchTitan's llama3, qwen3 (its MoE flavors become qwen3_moe), deepseek_v3 and gpt_oss; titanlite's families are {', '.join(REGISTRY)}; others block", special=True),
     "model.flavor": Rule("model.flavor", "same name, with overrides giving TorchTitan's model where it differs (debugmodel; MoE flavors balance experts as TorchTitan does; deepseek_v3's 236B is the 671B flavor reshaped; its RoPE is stretched only past 4096 tokens, as TorchTitan's); flex/varlen flavors use causal attention", special=True),
     "model.hf_assets_path": Rule("model.tokenizer_path", "the folder's tokenizer.json is read; with a tokenizer, model.vocab_size is the flavor's", special=True),
     "model.tokenizer_path": Rule("model.tokenizer_path", "deprecated in TorchTitan; wins over hf_assets_path there and here", special=True),

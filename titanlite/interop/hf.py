@@ -22,7 +22,7 @@ import torch
 from titanlite import models
 from titanlite.data.tokenizer import Tokenizer
 from titanlite.errors import UserError
-from titanlite.interop import fp8
+from titanlite.interop import fp8, mxfp4
 from titanlite.interop.checkpoint_model import spec_and_args
 from titanlite.interop.folders import atomic_folder, check_output_folder, read_json, write_json
 from titanlite.models.spec import ModelSpec
@@ -198,8 +198,9 @@ def load_hf(path: str | Path) -> tuple[dict[str, torch.Tensor], ModelSpec, Any]:
             state |= safetensors.torch.load_file(str(file))
         except (safetensors.SafetensorError, OSError) as e:
             raise UserError(f"safetensors file {str(file)!r} is unreadable ({e})") from None
-    # Published DeepSeek-V3 / Kimi K2 weights are FP8 in blocks: float32 first (interop/fp8.py).
-    state = fp8.dequantize(state, config)
+    # Quantized published weights become plain tensors first: DeepSeek-V3 / Kimi K2's FP8
+    # blocks (interop/fp8.py) and gpt-oss's MXFP4 experts (interop/mxfp4.py).
+    state = mxfp4.dequantize(fp8.dequantize(state, config))
     return adapter.from_hf_state_dict(state, args), spec, args
 
 

@@ -197,6 +197,11 @@ def from_hf_config(config: Mapping[str, Any]) -> GptOssArgs:
         "attention_bias": (bool(config.get("attention_bias", True)), True),
         "rope_type": (rope.get("rope_type", "default") in ("default", "yarn"), True),
         "rope_scaling": (None, None),
+        # The published checkpoints' experts: dequantized on import (titanlite.interop.mxfp4).
+        "quantization_config.quant_method": (
+            (config.get("quantization_config") or {}).get("quant_method", "mxfp4"),
+            "mxfp4",
+        ),
         "rope attention_factor / mscale": (
             [rope.get(k) for k in ("attention_factor", "mscale", "mscale_all_dim")],
             [None, None, None],

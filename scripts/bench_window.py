@@ -1,0 +1,94 @@
+"""Sliding-window attention on this machine: step time and attention FLOPs of the gpt-oss
+debug shape at a long sequence, with its windows against full attention.
+
+One process, one intra-op thread, fp32: the model's forward and backward on one sequence of
+random tokens (the optimizer step left out: it does not depend on attention). Variants:
+
+  window, LG    the debug model as shipped: a window of --window on every other layer
+  window, L     the window on every layer
+  full          no window (every layer attends the whole causal prefix; sinks still on, so
+                the same blocked kernel runs, over the whole triangle)
+
+Per variant: the attention FLOPs per token and the model's (titanlite's formula, which MFU
+uses), and the median over the measured steps of the step's wall and CPU time.
+
+    python scripts/bench_window.py --seq-len 4096 --window 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from titanlite.models import get
+from titanlite.models.decoder_spec import attention_flops_per_token
+from titanlite.models.init import init_parameters
+
+VARIANTS = {"window, LG": ("LG", True), "window, L": ("L", True), "full": ("L", False)}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--window", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps first")
+    parser.add_argument("--steps", type=int, default=2, help="measured steps")
+    return parser.parse_args(argv)
+
+
+def measure(args: argparse.Namespace, pattern: str, windowed: bool) -> dict[str, float]:
+    spec = get("gpt_oss")
+    overrides = {"sliding_window": args.window if windowed else 0, "window_pattern": pattern}
+    model_args = spec.make_args("debugmodel", args.vocab, args.seq_len, overrides)
+    model = spec.build(model_args)
+    init_parameters(model, lambda name: spec.init_rule(model_args, name), 0)
+    spec.init_buffers(model)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, args.vocab, (1, args.seq_len + 1), generator=g)
+    times = []
+    for step in range(args.warmup + args.steps):
+        wall, cpu = time.perf_counter(), time.process_time()
+        logits = model(tokens[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        model.zero_grad(set_to_none=True)
+        if step >= args.warmup:
+            times.append((time.perf_counter() - wall, time.process_time() - cpu))
+    return {
+        "attention_flops": attention_flops_per_token(model_args, args.seq_len),
+        "flops": spec.flops_per_token(model_args, args.seq_len),
+        "wall_s": statistics.median(t[0] for t in times),
+        "cpu_s": statistics.median(t[1] for t in times),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    rows = {name: measure(args, *variant) for name, variant in VARIANTS.items()}
+    full = rows["full"]
+    print(
+        f"gpt-oss debugmodel, seq_len {args.seq_len}, window {args.window}, 1 sequence, fp32, "
+        f"1 thread, forward + backward; torch {torch.__version__}, {platform.processor() or platform.machine()}"
+    )
+    print(
+        "| variant | attention FLOPs/token | model FLOPs/token | step wall s | step CPU s | CPU vs full |"
+    )
+    print("|---|---|---|---|---|---|")
+    for name, r in rows.items():
+        print(
+            f"| {name} | {r['attention_flops']:.3g} ({r['attention_flops'] / full['attention_flops']:.2f}x) "
+            f"| {r['flops']:.3g} | {r['wall_s']:.2f} | {r['cpu_s']:.2f} | {r['cpu_s'] / full['cpu_s']:.2f}x |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -170,7 +170,7 @@ def parity_baseline(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["shard=2,tp=2", "cp=2", "cp=4", "pp=2"])
+@pytest.mark.parametrize("layout", ["shard=2,tp=2", "cp=2", "cp=4", "cp=2,tp=2", "pp=2"])
 def test_parallel_layout_matches_one_process(
     layout: str, parity_baseline: dict, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

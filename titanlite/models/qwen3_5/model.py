@@ -163,9 +163,10 @@ class GatedDeltaNet(nn.Module):
             g=g.transpose(1, 2), beta=beta.transpose(1, 2),
         ).transpose(1, 2)  # fmt: skip
         z = self.wz(x).view(bsz, seq, -1, self.v_dim)
-        out = (self.norm(out) * F.silu(z.float())).to(x.dtype)
-        out = self.wo(out.reshape(bsz, seq, -1))
-        return out if split is None else split.unrows(out)  # type: ignore[union-attr]
+        out = (self.norm(out) * F.silu(z.float())).to(x.dtype).reshape(bsz, seq, -1)
+        if split is not None:  # back before wo: sequence-parallel TP splits its output by token
+            out = split.unrows(out)  # type: ignore[union-attr]
+        return self.wo(out)
 
 
 class HybridBlock(nn.Module):

@@ -142,14 +142,14 @@ PARITY_MODEL = (
 
 
 def parity_run(
-    tmp_path_factory: pytest.TempPathFactory, layout: Any, pp: int = 1
+    tmp_path_factory: pytest.TempPathFactory, layout: Any, pp: int = 1, extra: tuple = ()
 ) -> tuple[dict, str]:
     """Curves (loss, grad norm per step) and rank 0's log of the parity model on ``layout``
     (with ``pp`` pipeline stages, one sequence per micro-batch)."""
     from test_parity import COMMON, METRICS, STEPS
 
     folder = tmp_path_factory.mktemp("qwen3_5")
-    argv = [*PARITY_MODEL, *COMMON, "--job.dump_folder", str(folder), *layout.args()]
+    argv = [*PARITY_MODEL, *COMMON, "--job.dump_folder", str(folder), *layout.args(), *extra]
     if pp > 1:
         argv += ["--parallelism.pipeline_parallel_degree", str(pp),
                  "--parallelism.pipeline_parallel_microbatch_size", "1"]  # fmt: skip
@@ -189,3 +189,21 @@ def test_parallel_layout_matches_one_process(
     print(f"qwen3_5 {layout}: max relative difference {MEASURED[f'qwen3_5 {layout}']}")
     if parallel.cp > 1:
         assert "linear-attention layers gather each chunk's state transition" in output
+
+
+@pytest.mark.slow
+def test_document_mask_under_context_parallelism_matches_one_process(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """training.document_mask on cp 2 (fp32, 10 steps, windows of several short documents):
+    the DeltaNet state and convolution restart at documents that begin in another rank's
+    chunk, as in one process."""
+    from test_context import short_documents
+    from test_parity import MEASURED, Layout, assert_parity
+
+    data = short_documents(tmp_path_factory.mktemp("docs") / "docs.jsonl")
+    extra = ("--training.document_mask", "true", "--training.dataset_path", str(data))
+    one, _ = parity_run(tmp_path_factory, Layout(), extra=extra)
+    cp2, _ = parity_run(tmp_path_factory, Layout(cp=2), extra=extra)
+    assert_parity("qwen3_5 cp=2 document mask", one, cp2)
+    print(f"qwen3_5 cp=2 document mask: {MEASURED['qwen3_5 cp=2 document mask']}")

@@ -51,3 +51,64 @@ def attention_matches_full(
     dist.all_gather(everyone, mine)
     assert sorted(torch.cat(everyone).tolist()) == list(range(seq))
     return diffs
+
+
+def hybrid_matches_full(rank: int, world: int, seq: int, documents: bool) -> dict[str, float]:
+    """A Qwen3.5 hybrid (three Gated DeltaNet layers, one full-attention layer) on this
+    rank's chunks, given the whole sequence's document ids, gives the logits at this rank's
+    positions and (summed over ranks) the parameter gradients of one process; returns the
+    largest differences relative to each tensor's largest element (the DeltaNet layers
+    compute in float32 even in a float64 model, so these are float32 round-off) and the bytes the linear layers' split
+    received against what gathering their keys and values would have."""
+    from titanlite.models import get
+    from titanlite.models.init import init_parameters
+    from titanlite.models.qwen3_5.args import Qwen35Args
+    from titanlite.models.qwen3_5.model import HybridDecoder
+    from titanlite.parallel.context import apply_cp
+    from titanlite.parallel.linear_context import apply_linear_cp
+
+    args = Qwen35Args(
+        dim=32, n_layers=4, n_heads=2, n_kv_heads=1, head_dim=16, hidden_dim=48,
+        linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=6, chunk_size=4,
+        vocab_size=64, max_seq_len=seq, rope_theta=10_000.0,
+    )  # fmt: skip
+    model = HybridDecoder(args)
+    init_parameters(model, lambda name: get("qwen3_5").init_rule(args, name), 0)
+    model.double()
+    gen = torch.Generator().manual_seed(1)  # the same tensors on every rank
+    with torch.no_grad():  # decays and norms off their starts, so a wrong state shows
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "A_log", "dt_bias")):
+                p.copy_(torch.rand(p.shape, generator=gen, dtype=p.dtype) - 0.5)
+    tokens = torch.randint(0, 64, (2, seq), generator=gen)
+    upstream = torch.randn(2, seq, 64, generator=gen, dtype=torch.float64)
+    ids = None
+    if documents:  # inside chunks, on their edges (seq / 2 and the first chunk's end)
+        c = seq // (2 * world)
+        starts = torch.zeros(2, seq, dtype=torch.long)
+        starts[0, sorted({1, c, seq // 2, seq - 2})] = 1
+        starts[1, [seq // 4 + 1]] = 1
+        ids = starts.cumsum(1)
+    full = model(tokens, documents=ids)
+    (full * upstream).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+
+    context = ContextParallel(dist.group.WORLD, world, rank)
+    apply_cp(model, context)
+    split = apply_linear_cp(model, context)
+    mine = context.positions(seq // world, tokens.device)
+    logits = model(tokens[:, mine], positions=mine, documents=ids)
+    (logits * upstream[:, mine]).sum().backward()
+    worst = 0.0
+    for name, p in model.named_parameters():
+        dist.all_reduce(p.grad)
+        scale = grads[name].abs().max().item()
+        worst = max(worst, (p.grad - grads[name]).abs().max().item() / scale)
+    expected = full.detach()[:, mine]
+    return {
+        "out": ((logits - expected).abs().max() / expected.abs().max()).item(),
+        "grads": worst,
+        "received_bytes": split.received_bytes,
+        "kv_bytes": split.kv_equivalent_bytes,
+    }

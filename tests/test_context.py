@@ -1,6 +1,7 @@
 """Context parallelism: the split of each sequence (load-balanced chunks, positions), the
 checks before launch, and the attention kernel against full causal attention on 2 and 4 gloo
-ranks (float64, outputs and gradients). Training parity of every CP layout is in
+ranks (float64, outputs and gradients), and the linear-attention layers' state passing on a
+Qwen3.5 hybrid. Training parity of every CP layout is in
 test_parity.py, resume across CP degrees in test_resume_layouts.py."""
 
 from __future__ import annotations
@@ -97,6 +98,26 @@ def test_attention_kernel_with_documents_matches_a_block_causal_mask(world: int)
     )  # fmt: skip
     for rank, worst in enumerate(diffs):
         assert max(worst.values()) < 1e-12, (rank, worst)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("world", "chunk", "documents"),
+    [(2, 8, True), (2, 2, True), (4, 8, True), (4, 8, False)],
+    ids=["cp2-docs", "cp2-short-chunks-docs", "cp4-docs", "cp4"],
+)
+def test_linear_attention_layers_match_one_process(world: int, chunk: int, documents: bool) -> None:
+    """Gated DeltaNet layers under CP (each chunk's state from the chunks before it, the
+    convolution's lead-in from the previous chunk; 2 tokens: shorter than the lead-in of 3)
+    give one process's logits and gradients, documents restarting both across ranks."""
+    results = get_pool(world).run(
+        cp_scenarios.hybrid_matches_full, seq=2 * world * chunk, documents=documents
+    )
+    for rank, result in enumerate(results):
+        assert max(result["out"], result["grads"]) < 1e-5, (rank, result)
+        assert result["received_bytes"] > 0
+    print(f"cp={world}, chunk {chunk}: rank 0 received {results[0]['received_bytes']} bytes "
+          f"(keys and values: {results[0]['kv_bytes']})")  # fmt: skip
 
 
 def test_launcher_checks_report_the_context_parallel_problems() -> None:

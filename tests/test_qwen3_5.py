@@ -7,6 +7,7 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -129,27 +130,80 @@ def test_export_import_through_transformers_gives_equal_logits(tmp_path: Path) -
         assert torch.equal(back.model(x), ours)
 
 
+# The parity model: both layer kinds, heads divisible by 2 for TP; the DeltaNet's rule
+# chunks (16 tokens) longer than a cp 4 rank's chunks of the 64-token sequence (8).
+PARITY_MODEL = (
+    "--model.name", "qwen3_5", "--model.dim", "64", "--model.n_layers", "4",
+    "--model.n_heads", "4", "--model.n_kv_heads", "2", "--model.head_dim", "16",
+    "--model.hidden_dim", "96", "--model.linear_k_heads", "2", "--model.linear_v_heads",
+    "4", "--model.linear_k_dim", "8", "--model.linear_v_dim", "8", "--model.chunk_size",
+    "16",
+)  # fmt: skip
+
+
+def parity_run(
+    tmp_path_factory: pytest.TempPathFactory, layout: Any, pp: int = 1, extra: tuple = ()
+) -> tuple[dict, str]:
+    """Curves (loss, grad norm per step) and rank 0's log of the parity model on ``layout``
+    (with ``pp`` pipeline stages, one sequence per micro-batch)."""
+    from test_parity import COMMON, METRICS, STEPS
+
+    folder = tmp_path_factory.mktemp("qwen3_5")
+    argv = [*PARITY_MODEL, *COMMON, "--job.dump_folder", str(folder), *layout.args(), *extra]
+    if pp > 1:
+        argv += ["--parallelism.pipeline_parallel_degree", str(pp),
+                 "--parallelism.pipeline_parallel_microbatch_size", "1"]  # fmt: skip
+    pool = get_pool(layout.ngpu * pp)
+    run = pool.run(train_scenarios.train, argv=argv)[0]
+    assert [r["step"] for r in run["records"]] == list(range(1, STEPS + 1))
+    curves = {m: [float(r[m]) for r in run["records"]] for m in METRICS}
+    return curves, "\n".join(pool.last_logs[0])
+
+
+@pytest.fixture(scope="module")
+def parity_baseline(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    from test_parity import STEPS, Layout
+
+    curves, _ = parity_run(tmp_path_factory, Layout())
+    assert len(set(curves["loss"])) == STEPS
+    return curves
+
+
 @pytest.mark.slow
-def test_fsdp_by_tensor_parallel_matches_one_process(
+@pytest.mark.parametrize("layout", ["shard=2,tp=2", "cp=2", "cp=4", "cp=2,tp=2", "pp=2"])
+def test_parallel_layout_matches_one_process(
+    layout: str, parity_baseline: dict, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Each layout trains like one process (fp32, 10 steps). dp_shard 2 x tp 2: both layer
+    kinds split by heads, the DeltaNet convolution and decays by channel (the TP plan's
+    "channels"). cp 2 and 4: full attention gathers keys and values; the DeltaNet layers get
+    each chunk's starting state and convolution lead-in from the chunks before it. pp 2: two
+    stages of two blocks (linear, linear; linear, full) and tied embeddings."""
+    from test_parity import MEASURED, Layout, assert_parity
+
+    degrees = {k: int(v) for k, v in (part.split("=") for part in layout.split(","))}
+    pp = degrees.pop("pp", 1)
+    parallel = Layout(**degrees)
+    curves, output = parity_run(tmp_path_factory, parallel, pp)
+    assert_parity(f"qwen3_5 {layout}", parity_baseline, curves)
+    print(f"qwen3_5 {layout}: max relative difference {MEASURED[f'qwen3_5 {layout}']}")
+    if parallel.cp > 1:
+        assert "linear-attention layers gather each chunk's state transition" in output
+
+
+@pytest.mark.slow
+def test_document_mask_under_context_parallelism_matches_one_process(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    """dp_shard 2 x tp 2 trains like one process (fp32): both layer kinds split by heads,
-    the DeltaNet convolution and decays by channel (the TP plan's "channels")."""
-    from test_parity import COMMON, METRICS, STEPS, Layout, assert_parity
+    """training.document_mask on cp 2 (fp32, 10 steps, windows of several short documents):
+    the DeltaNet state and convolution restart at documents that begin in another rank's
+    chunk, as in one process."""
+    from test_context import short_documents
+    from test_parity import MEASURED, Layout, assert_parity
 
-    model = (
-        "--model.name", "qwen3_5", "--model.dim", "64", "--model.n_layers", "4",
-        "--model.n_heads", "4", "--model.n_kv_heads", "2", "--model.head_dim", "16",
-        "--model.hidden_dim", "96", "--model.linear_k_heads", "2", "--model.linear_v_heads",
-        "4", "--model.linear_k_dim", "8", "--model.linear_v_dim", "8", "--model.chunk_size",
-        "16",
-    )  # fmt: skip
-    curves = {}
-    for layout in (Layout(), Layout(shard=2, tp=2)):
-        folder = tmp_path_factory.mktemp("qwen3_5")
-        argv = [*model, *COMMON, "--job.dump_folder", str(folder), *layout.args()]
-        run = get_pool(layout.ngpu).run(train_scenarios.train, argv=argv)[0]
-        assert [r["step"] for r in run["records"]] == list(range(1, STEPS + 1))
-        curves[layout.name] = {m: [float(r[m]) for r in run["records"]] for m in METRICS}
-    assert len(set(curves["1 process"]["loss"])) == STEPS
-    assert_parity("qwen3_5 dp_shard=2 x tp=2", curves["1 process"], curves["dp_shard=2 x tp=2"])
+    data = short_documents(tmp_path_factory.mktemp("docs") / "docs.jsonl")
+    extra = ("--training.document_mask", "true", "--training.dataset_path", str(data))
+    one, _ = parity_run(tmp_path_factory, Layout(), extra=extra)
+    cp2, _ = parity_run(tmp_path_factory, Layout(cp=2), extra=extra)
+    assert_parity("qwen3_5 cp=2 document mask", one, cp2)
+    print(f"qwen3_5 cp=2 document mask: {MEASURED['qwen3_5 cp=2 document mask']}")

@@ -132,11 +132,6 @@ def check(cfg: JobConfig, world_size: int) -> Tokenizer | None:
                     f"muon.qk_clip_threshold: {spec.name} normalizes each head's queries and "
                     "keys (qk-norm), which undoes QK-clip's scaling of wq and wk; leave it unset"
                 )
-            if degrees and degrees.cp > 1 and hasattr(args, "linear_attention"):
-                problems.add(
-                    f"parallelism.context_parallel_degree {degrees.cp}: {spec.name}'s linear "
-                    "attention layers do not run under context parallelism yet; set it to 1"
-                )
             depths = getattr(args, "mtp_layers", 0)
             for key, degree in (
                 (("pipeline", degrees.pp), ("context", degrees.cp)) if degrees else ()

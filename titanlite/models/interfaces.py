@@ -13,7 +13,9 @@ device; the model calls through them and knows nothing of process groups:
 - ``AttentionCore.sequence_split``: context parallelism. An object whose
   ``attention(core, q, k, v, documents)`` returns this rank's attention output when the local
   sequence is this rank's share of a longer one. It gathers keys and values and calls back
-  ``core.attend`` with the chunks this rank holds.
+  ``core.attend`` with the chunks this rank holds. A core with ``recurrent = True`` (linear
+  attention) gets a ``RecurrentSplit`` instead: its layer runs this rank's chunks as rows and
+  the split supplies what each chunk needs from the ones before it (a state, a few tokens).
 - ``RoutedExperts.dispatch``: expert parallelism. ``dispatch(rows, counts, experts)`` moves
   rows (sorted by global expert, ``counts`` per expert) to the ranks holding their experts,
   runs ``experts(rows, local_counts)`` there and brings the outputs back.
@@ -68,6 +70,37 @@ class SequenceSplit(Protocol):
     ) -> torch.Tensor: ...
 
 
+class RecurrentSplit(Protocol):
+    """What context parallelism sets as ``sequence_split`` on a recurrent core. This rank's
+    tokens [b, local, ...] are chunks of the sequence; ``rows`` makes each chunk a row
+    [rows, chunk, ...] and ``unrows`` undoes it."""
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def unrows(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def lead_in(
+        self, inputs: list[torch.Tensor], n: int, documents: torch.Tensor | None
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Rows [rows, chunk, channels] -> the same rows led by the ``n`` tokens before each
+        chunk (zeros before the sequence), and the documents of those n + chunk tokens."""
+        ...
+
+    def recurrence(
+        self,
+        core: AttentionCore,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        documents: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The rows' outputs of ``core.scan`` run from the state each chunk starts in."""
+        ...
+
+
 class SequenceShards(Protocol):
     """What tensor parallelism sets as ``sequence_shards`` on a ``local_tokens`` module."""
 
@@ -88,10 +121,12 @@ class AttentionCore(nn.Module):
     """
 
     mask: Mask = Mask()
+    recurrent: bool = False
+    """Keys summarized in a state carried along the sequence (linear attention)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.sequence_split: SequenceSplit | None = None
+        self.sequence_split: SequenceSplit | RecurrentSplit | None = None
         self.record_max_logits = False
         """Fold each training forward's largest pre-softmax logit per local query head into
         ``max_logits`` (``attend`` computes them only while this is on)."""

@@ -127,11 +127,14 @@ class ContextParallel:
 
 
 def apply_cp(model: nn.Module, context: ContextParallel) -> int:
-    """Point every attention core of ``model`` at ``context``; returns how many."""
+    """Point every (non-recurrent) attention core of ``model`` at ``context``; returns how
+    many cores the model has."""
     cores = find(model, AttentionCore)
     if not cores:
         raise ValueError("context parallelism found no attention core in the model")
     for core in cores:
+        if core.recurrent:
+            continue  # linear attention passes a state instead: linear_context.apply_linear_cp
         if not core.mask.causal:
             raise ValueError(f"context parallelism takes causal attention only, not {core.mask}")
         core.sequence_split = context

@@ -6,7 +6,8 @@ The order matters and is the same for every layout:
      under pipeline parallelism, the model is cut into this rank's stages, and steps 1-6
      apply to each stage as they would to a whole model
   1. tensor parallelism (splits layers; must see the plain modules), then context
-     parallelism (points the attention cores at the cp group), then expert parallelism
+     parallelism (points the attention cores at the cp group; linear-attention cores at
+     its state-passing form), then expert parallelism
      (splits the experts of MoE layers over ep)
   2. activation checkpointing (wraps blocks, so it goes after TP changed their insides)
   3. torch.compile per block (compiles the TP + AC block as one unit)
@@ -38,6 +39,7 @@ from titanlite.parallel.ddp import BucketedDDP
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.expert import apply_ep
 from titanlite.parallel.fsdp import apply_fsdp
+from titanlite.parallel.linear_context import apply_linear_cp
 from titanlite.parallel.materialize import materialize
 from titanlite.parallel.parallel_model import DocumentStructure, LossSum, ParallelModel
 from titanlite.parallel.pipeline import Pipeline, split_stage, tied_copy, tied_stage_group
@@ -87,11 +89,14 @@ def parallelize(
     parts = [split_stage(model, spec, plan, s) for s in stage_ids] if plan else [model]
     context = ContextParallel(dims.group("cp"), d.cp, dims.local_rank("cp")) if d.cp > 1 else None
     expert_units: list[nn.Module] = []
+    recurrent_cp = False
     for part in parts:
         if d.tp > 1:
             apply_tp(part, spec, dims["tp"], loss_parallel=lp)
         if context is not None:
             apply_cp(part, context)
+            if apply_linear_cp(part, context) is not None:
+                recurrent_cp = True
         if d.ep > 1:
             expert_units += apply_ep(part, dims["ep"])
         ac = activation_checkpoint
@@ -145,7 +150,9 @@ def parallelize(
     if context is not None:
         logger.info(
             "context parallelism: each sequence in %d chunks, 2 per rank; keys and values "
-            "all-gathered over cp=%d", 2 * d.cp, d.cp,
+            "all-gathered over cp=%d%s", 2 * d.cp, d.cp,
+            "; linear-attention layers gather each chunk's state transition instead"
+            if recurrent_cp else "",
         )  # fmt: skip
     if plan is not None:
         tie = getattr(args, "tie_embeddings", False)

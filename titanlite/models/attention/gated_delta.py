@@ -3,7 +3,9 @@
 Queries and keys are L2-normalized per head and queries scaled by 1/sqrt(key head size);
 each query/key head serves ``value heads / key heads`` consecutive value heads. The state
 restarts at every document start when document ids are given (``Mask.documents``). The
-rule itself is ``delta_rule.chunk_gated_delta_rule``: plain PyTorch, any device.
+rule itself is ``delta_rule.chunk_gated_delta_rule``: plain PyTorch, any device. Under context
+parallelism (``sequence_split``, a ``RecurrentSplit``) the core's rows are this rank's chunks
+and the split supplies the state before each (``titanlite.parallel.linear_context``).
 """
 
 from __future__ import annotations
@@ -21,8 +23,7 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 class GatedDeltaAttention(AttentionCore):
     mask = Mask(causal=True)  # keys are summarized in a state; documents restart it
-    recurrent = True
-    """Context parallelism passes a state between ranks instead of gathering keys."""
+    recurrent = True  # context parallelism passes a state between ranks, not keys
 
     def __init__(self) -> None:
         super().__init__()
@@ -46,8 +47,27 @@ class GatedDeltaAttention(AttentionCore):
         k = l2_normalize(k.float())
         if group > 1:
             q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
+        if self.sequence_split is not None:
+            split = self.sequence_split
+            return split.recurrence(self, q, k, v, g=g, beta=beta, documents=documents)  # type: ignore[attr-defined]
         resets = None if documents is None else document_starts(documents)
-        out, _ = chunk_gated_delta_rule(
-            q, k, v, g=g, beta=beta, chunk_size=self.chunk_size, resets=resets
-        )
+        out, _ = self.scan(q, k, v, g=g, beta=beta, resets=resets)
         return out
+
+    def scan(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        resets: torch.Tensor | None = None,
+        initial_state: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rule over normalized, head-matched q, k, v from ``initial_state`` (zero if
+        None): outputs and the final state (``chunk_gated_delta_rule``)."""
+        return chunk_gated_delta_rule(
+            q, k, v, g=g, beta=beta, chunk_size=self.chunk_size, resets=resets,
+            initial_state=initial_state,
+        )  # fmt: skip

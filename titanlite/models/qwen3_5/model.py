@@ -83,13 +83,15 @@ class ShortConv(nn.Module):
 
     def __init__(self, channels: dict[str, int], kernel: int):
         super().__init__()
+        self.kernel = kernel
         for name, width in channels.items():
             self.register_parameter(name, nn.Parameter(torch.empty(width, kernel)))
 
     def forward(
-        self, name: str, x: torch.Tensor, documents: torch.Tensor | None = None
+        self, name: str, x: torch.Tensor, documents: torch.Tensor | None = None, *, lead: int = 0
     ) -> torch.Tensor:
-        """x [b, seq, channels] -> the same shape."""
+        """x [b, seq, channels] -> the same shape, less the first ``lead`` tokens: those only
+        feed the taps of the ones after (the tokens before a context-parallel chunk)."""
         weight = _local(getattr(self, name)).to(x.dtype)
         kernel, seq = weight.shape[1], x.shape[1]
         out = x * weight[:, -1]
@@ -99,7 +101,7 @@ class ShortConv(nn.Module):
                 before = F.pad(documents, (lag, 0), value=-1)[:, :seq]
                 earlier = earlier * (before == documents).unsqueeze(-1).to(x.dtype)
             out = out + earlier * weight[:, -1 - lag]
-        return F.silu(out)
+        return F.silu(out[:, lead:])
 
 
 class Decay(nn.Module):
@@ -142,10 +144,18 @@ class GatedDeltaNet(nn.Module):
         self, x: torch.Tensor, *, rope: torch.Tensor, documents: torch.Tensor | None = None
     ) -> torch.Tensor:
         del rope  # positions reach a recurrent layer only through the order of its tokens
+        split = self.core.sequence_split  # context parallelism: a RecurrentSplit, or None
+        if split is not None:  # each of this rank's sequence chunks becomes a row
+            x = split.rows(x)  # type: ignore[union-attr]
         bsz, seq, _ = x.shape
-        q = self.conv("q", self.wq(x), documents).view(bsz, seq, -1, self.k_dim)
-        k = self.conv("k", self.wk(x), documents).view(bsz, seq, -1, self.k_dim)
-        v = self.conv("v", self.wv(x), documents).view(bsz, seq, -1, self.v_dim)
+        inputs, conv_documents, lead = [self.wq(x), self.wk(x), self.wv(x)], documents, 0
+        if split is not None:  # each row led by the conv inputs of the tokens before its chunk
+            lead = self.conv.kernel - 1
+            inputs, conv_documents = split.lead_in(inputs, lead, documents)  # type: ignore[union-attr]
+        q, k, v = (
+            self.conv(name, t, conv_documents, lead=lead).view(bsz, seq, -1, width)
+            for name, t, width in zip("qkv", inputs, (self.k_dim, self.k_dim, self.v_dim), strict=True)
+        )  # fmt: skip
         beta = torch.sigmoid(self.wb(x).float())
         g = self.decay(self.wa(x))
         out = self.core(
@@ -153,8 +163,10 @@ class GatedDeltaNet(nn.Module):
             g=g.transpose(1, 2), beta=beta.transpose(1, 2),
         ).transpose(1, 2)  # fmt: skip
         z = self.wz(x).view(bsz, seq, -1, self.v_dim)
-        out = (self.norm(out) * F.silu(z.float())).to(x.dtype)
-        return self.wo(out.reshape(bsz, seq, -1))
+        out = (self.norm(out) * F.silu(z.float())).to(x.dtype).reshape(bsz, seq, -1)
+        if split is not None:  # back before wo: sequence-parallel TP splits its output by token
+            out = split.unrows(out)  # type: ignore[union-attr]
+        return self.wo(out)
 
 
 class HybridBlock(nn.Module):

@@ -207,23 +207,8 @@ def test_keep_latest_k_0_keeps_every_checkpoint(baseline: tuple[Path, dict]) -> 
 
 
 # --------------------------------------------------------------------------- kills
-def test_resume_after_sigkill_is_exact(tmp_path: Path, baseline: tuple[Path, dict]) -> None:
-    _, base = baseline
-    out = tmp_path / "run"
-    step8 = out / "checkpoint" / "step-8"
-    victim = Started(out)
-    victim.wait_until("step-8 is complete", lambda: step8.is_dir())
-    victim.proc.send_signal(signal.SIGKILL)
-    assert victim.wait() == -signal.SIGKILL
-    assert max(last_losses(out)) < STEPS  # it really was stopped early
-
-    result = run(out)
-    assert_ok(result)
-    assert "resumed from" in result.stdout + result.stderr
-    assert steps_since_last_resume(out) == list(range(9, STEPS + 1))
-    assert_same_losses(out, base, range(1, STEPS + 1))
-
-
+# A SIGKILL between saves and its exact resume is the first case below's (its kill comes at
+# a save), test_interrupts' whole-job SIGKILL and test_tokens' token-folder kill.
 SLOW_COMMIT = """
 import os, time
 _replace = os.replace

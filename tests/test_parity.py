@@ -336,7 +336,9 @@ def variants_baseline(tmp_path_factory: pytest.TempPathFactory) -> Curves:
     return run.curves
 
 
-@pytest.mark.parametrize("layout", [Layout(cp=2), Layout(shard=2, tp=2)], ids=["cp2", "fsdp2xtp2"])
+# cp 2 only: the same variants under dp_shard 2 x tp 2 (sinks split with the heads) are
+# gpt-oss's own parity layout (tests/test_gpt_oss.py), which has windows and sinks too.
+@pytest.mark.parametrize("layout", [Layout(cp=2)], ids=["cp2"])
 def test_window_and_sinks_match_one_process(
     layout: Layout, variants_baseline: Curves, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

@@ -244,10 +244,10 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[in
 
 
 @pytest.mark.slow
+# dp_shard 2 x cp 2 (the ramp's lengths split over ranks too); dp_shard 2 x tp 2 measured the
+# same 1.1e-7 (docs/stability.md) and shares all but the sequence split with it.
 @pytest.mark.parametrize(
-    "layout",
-    [("--parallelism.tensor_parallel_degree", "2"), ("--parallelism.context_parallel_degree", "2")],
-    ids=["dp_shard2_tp2", "dp_shard2_cp2"],
+    "layout", [("--parallelism.context_parallel_degree", "2")], ids=["dp_shard2_cp2"]
 )
 def test_the_ramp_trains_alike_on_1_and_4_ranks(one_process, layout, tmp_path) -> None:
     from titanlite.compare import relative_difference

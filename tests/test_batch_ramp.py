@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from train_scenarios import by_step, on_pool
 
 from titanlite.config import ConfigError, load_config, resolve_degrees
 from titanlite.config.batch_ramp import BatchRamp
@@ -68,21 +69,13 @@ ARGS = (
 
 
 def train(world: int, out: Path, *args: str) -> list[dict]:
-    import train_scenarios
-    from pool import get_pool
-
-    argv = [*ARGS, *args, "--job.dump_folder", str(out)]
-    return get_pool(world).run(train_scenarios.train, argv=argv)[0]["records"]
-
-
-def steps(records: list[dict]) -> dict[int, dict]:
-    return {r["step"]: r for r in records if "kind" not in r}
+    return on_pool(world, [*ARGS, *args, "--job.dump_folder", str(out)])["records"]
 
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, dict]]:
     out = tmp_path_factory.mktemp("ramp") / "one"
-    return out, steps(train(1, out, "--training.local_batch_size", "4"))
+    return out, by_step(train(1, out, "--training.local_batch_size", "4"))
 
 
 @pytest.mark.slow
@@ -93,7 +86,7 @@ def test_the_ramp_trains_the_same_global_batches_on_1_and_4_ranks(one_process, t
     tokens = [r["tokens_seen"] for r in one.values()]
     grown = [64 * sum(SEQUENCES[:i]) for i in range(1, 7)]  # every position is a target
     assert tokens == grown, tokens
-    four = steps(train(4, tmp_path / "four", "--training.local_batch_size", "1"))
+    four = by_step(train(4, tmp_path / "four", "--training.local_batch_size", "1"))
     assert [r["tokens_seen"] for r in four.values()] == grown
     worst = {
         m: max(relative_difference(one[s][m], four[s][m]) for s in one)
@@ -111,7 +104,7 @@ def test_resume_in_the_middle_of_the_ramp_is_exact(one_process, tmp_path) -> Non
     shutil.copytree(out, again, ignore=shutil.ignore_patterns("step-6"))
     records = train(1, again, "--training.local_batch_size", "4")
     after = records[max(i for i, r in enumerate(records) if r.get("kind") == "resume") + 1 :]
-    resumed = steps(after)
+    resumed = by_step(after)
     assert sorted(resumed) == [4, 5, 6]
     for step, record in resumed.items():
         for key in ("loss", "grad_norm", "lr", "tokens_seen"):

@@ -280,12 +280,11 @@ DSV3_ARGS = [
 
 
 def train(world: int, out: Path, local_batch: int, *args: str) -> dict:
-    import train_scenarios
-    from pool import get_pool
+    from train_scenarios import on_pool
 
     argv = [*DSV3_ARGS, "--training.local_batch_size", str(local_batch),
             "--job.dump_folder", str(out), *args]  # fmt: skip
-    return get_pool(world).run(train_scenarios.train, argv=argv)[0]
+    return on_pool(world, argv)
 
 
 def by_step(run: dict, key: str) -> dict[int, float]:

@@ -16,6 +16,7 @@ import pytest
 import torch
 from test_data import make_docs, write_folder, write_jsonl
 from test_preflight import one_line_error, run_preflight
+from train_scenarios import by_step, on_pool
 
 from titanlite.config import ConfigError, load_config, resolve_degrees
 from titanlite.config.batch_ramp import BatchRamp
@@ -224,21 +225,13 @@ ARGS = (
 
 
 def train(world: int, out: Path, *args: str) -> list[dict]:
-    import train_scenarios
-    from pool import get_pool
-
-    argv = [*ARGS, *args, "--job.dump_folder", str(out)]
-    return get_pool(world).run(train_scenarios.train, argv=argv)[0]["records"]
-
-
-def steps(records: list[dict]) -> dict[int, dict]:
-    return {r["step"]: r for r in records if "kind" not in r}
+    return on_pool(world, [*ARGS, *args, "--job.dump_folder", str(out)])["records"]
 
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, dict]]:
     out = tmp_path_factory.mktemp("seq_ramp") / "one"
-    one = steps(train(1, out, "--training.local_batch_size", "4"))
+    one = by_step(train(1, out, "--training.local_batch_size", "4"))
     assert [r["tokens_seen"] for r in one.values()] == TOKENS_SEEN  # every position a target
     return out, one
 
@@ -253,7 +246,7 @@ def test_the_ramp_trains_alike_on_1_and_4_ranks(one_process, layout, tmp_path) -
     from titanlite.compare import relative_difference
 
     _, one = one_process
-    four = steps(train(4, tmp_path / "four", "--training.local_batch_size", "2", *layout))
+    four = by_step(train(4, tmp_path / "four", "--training.local_batch_size", "2", *layout))
     assert [r["tokens_seen"] for r in four.values()] == TOKENS_SEEN
     worst = {
         m: max(relative_difference(one[s][m], four[s][m]) for s in one)
@@ -274,7 +267,7 @@ def test_resume_in_the_middle_of_the_ramp_is_exact(one_process, saved, tmp_path)
     shutil.copytree(out, again, ignore=shutil.ignore_patterns(*later))
     records = train(1, again, "--training.local_batch_size", "4")
     after = records[max(i for i, r in enumerate(records) if r.get("kind") == "resume") + 1 :]
-    resumed = steps(after)
+    resumed = by_step(after)
     assert sorted(resumed) == list(range(saved + 1, 9))
     for step, record in resumed.items():
         for key in ("loss", "grad_norm", "lr", "tokens_seen"):

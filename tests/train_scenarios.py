@@ -56,6 +56,19 @@ def train(rank: int, world: int, argv: list[str]) -> dict[str, Any] | None:
     return read_run(Path(cfg.job.dump_folder)) if rank == 0 else None
 
 
+def on_pool(world: int, argv: list[str]) -> dict[str, Any]:
+    """``train`` with ARGV on ``world`` ranks of the reused worker pool (tests/pool.py):
+    rank 0's result, what the run wrote."""
+    from pool import get_pool
+
+    return get_pool(world).run(train, argv=argv)[0]
+
+
+def by_step(records: list[dict]) -> dict[int, dict]:
+    """A run's training records by step (resume and validation records left out)."""
+    return {r["step"]: r for r in records if "kind" not in r}
+
+
 def train_then_score(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
     """One process: train (its eval scores the tasks at the last step), then score each
     task file's rows directly from the trained model (a plain forward, log_softmax): per

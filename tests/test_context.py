@@ -101,6 +101,31 @@ def test_attention_kernel_with_documents_matches_a_block_causal_mask(world: int)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_windowed_attention_receives_only_what_its_windows_reach(world: int) -> None:
+    """Chunks of 4 tokens; windows of 1 (nothing to receive), 3 (the 2-token tail of the
+    chunk before), 5 (the whole chunk before), 7 (two chunks back) and the whole sequence (it
+    reaches every key: the layer gathers), with and without documents and sinks: outputs,
+    gradients (sinks' too) and QK-clip's largest logits of one process, float64."""
+    seq, chunk = 8 * world, 4
+    cases = [(1, False, True), (3, True, True), (5, False, True), (7, True, False),
+             (seq, True, True)]  # fmt: skip
+    results = get_pool(world).run(cp_scenarios.window_matches_full, seq=seq, cases=cases)
+    for rank, per_case in enumerate(results):
+        for (window, _, sinks), diffs in zip(cases, per_case, strict=True):
+            worst = max(v for key, v in diffs.items() if key != "received")
+            assert worst < 1e-12, (rank, window, diffs)
+            assert ("grad_sinks" in diffs) == sinks
+            reach = window - 1
+            if reach <= chunk:  # the tails before its chunks: one for the first and last rank
+                assert diffs["received"] == reach * (1 if rank in (0, world - 1) else 2)
+            elif window < seq:  # more, but less than the gather's (cp - 1) x local tokens
+                assert 0 < diffs["received"] < (world - 1) * 2 * chunk, (rank, diffs)
+            else:
+                assert diffs["received"] is None
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("world", "chunk", "documents"),
     [(2, 8, True), (2, 2, True), (4, 8, True), (4, 8, False)],

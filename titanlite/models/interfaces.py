@@ -49,7 +49,9 @@ class Mask:
     causal: bool = True
     """A query sees keys at or before its own position."""
     window: int | None = None
-    """Sliding window: a query sees at most this many keys ending at its own (None = all)."""
+    """Sliding window: a query sees at most this many keys ending at its own (None = all).
+    A windowed core uses positions only relatively: context parallelism hands it each chunk
+    with just the keys its window reaches, positions counted from the first of them."""
     sink: bool = False
     """A learned logit per head joins every softmax row (attends to nothing)."""
     documents: bool = True

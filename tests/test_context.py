@@ -20,7 +20,7 @@ from titanlite.checks import check, check_context
 from titanlite.compare import relative_difference
 from titanlite.config import ConfigError, JobConfig, resolve_degrees
 from titanlite.errors import Problems
-from titanlite.parallel.context import chunk_positions
+from titanlite.parallel.context import chunk_positions, kv_bytes_received
 
 
 def config(**parallelism: int) -> JobConfig:
@@ -123,6 +123,13 @@ def test_windowed_attention_receives_only_what_its_windows_reach(world: int) -> 
                 assert 0 < diffs["received"] < (world - 1) * 2 * chunk, (rank, diffs)
             else:
                 assert diffs["received"] is None
+    # The byte count docs and benchmarks quote is what the busiest rank received (1 channel
+    # of 1 byte: 2 per token, keys and values), the gather's where the layer gathered.
+    for w, per_rank in zip(cases, zip(*results, strict=True), strict=True):
+        received = [(world - 1) * 2 * chunk if d["received"] is None else d["received"]
+                    for d in per_rank]  # fmt: skip
+        assert kv_bytes_received(seq_len=seq, cp=world, window=w[0], batch=1, kv_channels=1,
+                                 element_size=1) == 2 * max(received), w  # fmt: skip
 
 
 @pytest.mark.slow

@@ -24,8 +24,9 @@ rank order; a longer window reaches further back, over several chunks). One all-
 layer moves them (backward: the gradients of those keys go back the same way, as many bytes
 again), and the core attends each chunk over [the keys its window reaches + its own], with
 positions counted from the first of them (a windowed core uses positions only relatively)
-and the documents sliced alike. A rank receives at most 2 (w - 1) tokens per layer whatever
-the sequence length, against (cp - 1) S / cp for the gather (``kv_bytes_received``). Where
+and the documents sliced alike. With w - 1 <= c a rank receives at most 2 (w - 1) tokens
+per layer whatever the sequence length, against (cp - 1) S / cp for the gather
+(``kv_bytes_received``), and keeps S / cp + 2 (w - 1) keys for backward instead of S. Where
 the window reaches as many keys as the gather would bring, the layer gathers.
 
 Gathering, not a ring exchange: with grouped-query attention the keys and values are a small

@@ -1,8 +1,9 @@
 """Context parallelism: the split of each sequence (load-balanced chunks, positions), the
 checks before launch, and the attention kernel against full causal attention on 2 and 4 gloo
-ranks (float64, outputs and gradients), and the linear-attention layers' state passing on a
-Qwen3.5 hybrid. Training parity of every CP layout is in
-test_parity.py, resume across CP degrees in test_resume_layouts.py."""
+ranks (float64, outputs and gradients), the windowed layers' exchange of only the keys their
+windows reach, and the linear-attention layers' state passing on a Qwen3.5 hybrid. Training
+parity of every CP layout is in test_parity.py, resume across CP degrees in
+test_resume_layouts.py."""
 
 from __future__ import annotations
 

@@ -13,8 +13,15 @@ Per rank it measures, over one training step:
   CPU s         the rank's CPU time for the step: its own work, independent of how many ranks
                 share this machine's cores
   gather        time inside the all-gather of keys and values and its backward reduce-scatter
+                (with --windows, also inside the windowed layers' all-to-all and its backward)
+  received      bytes of keys and values (and their gradients) the rank received in those
+                collectives, forward and backward
 
     python scripts/bench_context.py --seq-lens 8192 16384 32768 --cp 1 2 4
+    python scripts/bench_context.py --seq-lens 4096 --cp 1 2 4 --windows 0 128
+
+``--windows``: a sliding window of that many keys on every layer (0: full attention); a
+windowed layer receives only the keys its windows reach (titanlite/parallel/context.py).
 
 With more ranks than cores the ranks also wait for a core: wall time then overstates a step,
 so the table's step-time ratio is per-rank CPU time against cp 1 (what a rank per core or
@@ -44,6 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cp", type=int, nargs="*", default=[1, 2, 4])
     parser.add_argument("--layers", type=int, default=2, help="transformer blocks")
     parser.add_argument("--warmup", type=int, default=0, help="unmeasured steps first")
+    parser.add_argument("--windows", type=int, nargs="*", default=[0], help="0: no window")
     return parser.parse_args(argv)
 
 
@@ -55,16 +63,20 @@ def worker(rank: int, world: int, init_file: str, argv: list[str], warmup: int, 
     from titanlite.config import load_config
     from titanlite.trainer import Trainer
 
-    gather_s = [0.0]
-    for name in ("all_gather_single", "reduce_scatter_single"):
+    gather_s, received = [0.0], [0]
+    for name in ("all_gather_single", "reduce_scatter_single", "all_to_all_single"):
         original = getattr(dist, name)
 
-        def timed(*a, _original=original, **k):  # noqa: ANN002, ANN003, ANN202
+        def timed(out, x, *a, _original=original, _name=name, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
             start = time.perf_counter()
             try:
-                return _original(*a, **k)
+                return _original(out, x, *a, **k)
             finally:
                 gather_s[0] += time.perf_counter() - start
+                if _name == "all_to_all_single":  # (titanlite's windows send nothing to self)
+                    received[0] += out.nbytes
+                else:  # all but this rank's own part
+                    received[0] += abs(out.nbytes - x.nbytes)
 
         setattr(dist, name, timed)
     saved: dict[int, int] = {}
@@ -86,20 +98,21 @@ def worker(rank: int, world: int, init_file: str, argv: list[str], warmup: int, 
             batch = [next(batches) for _ in range(trainer.accum_steps)]
             dist.barrier()
             saved.clear()
-            gather_s[0] = 0.0
+            gather_s[0], received[0] = 0.0, 0
             wall, cpu = time.perf_counter(), time.process_time()
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
                 trainer.train_step(batch)
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        result = torch.tensor([sum(saved.values()), peak, cpu, wall, gather_s[0]])
+        result = torch.tensor([sum(saved.values()), peak, cpu, wall, gather_s[0], received[0]])
     finally:
         trainer.close()
     save_rows(result, rank, world, out)
 
 
 def measure(world: int, argv: list[str], warmup: int) -> torch.Tensor:
-    """Per rank: (activation bytes, peak RSS bytes, CPU s, wall s, gather s) of one step."""
+    """Per rank: (activation bytes, peak RSS bytes, CPU s, wall s, gather s, received bytes)
+    of one step."""
     return spawn_rows(worker, world, argv, warmup)
 
 
@@ -111,28 +124,31 @@ def main(argv: list[str] | None = None) -> int:
         f"heads, 4 KV heads), {args.layers} blocks, 1 sequence per step, fp32, 1 thread per rank"
     )
     print(
-        "\n| seq_len | cp | activations per rank, MiB | vs cp 1 | peak RSS per rank, MiB | "
-        "CPU s per rank | vs cp 1 | wall s | gather share |\n"
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "\n| seq_len | window | cp | activations per rank, MiB | vs cp 1 | peak RSS per rank, "
+        "MiB | CPU s per rank | vs cp 1 | wall s | gather share | received per rank, KiB |\n"
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     )
     for seq in args.seq_lens:
-        base: torch.Tensor | None = None
-        for cp in args.cp:
-            layout = [
-                "--model.n_layers", str(args.layers), "--training.seq_len", str(seq),
-                "--training.local_batch_size", "1", "--checkpoint.enable", "false",
-                "--validation.enable", "false", "--metrics.log_freq", "1000",
-                "--training.steps", "1000", "--parallelism.context_parallel_degree", str(cp),
-            ]  # fmt: skip
-            rows = measure(cp, layout, args.warmup)
-            worst = rows.max(dim=0).values  # the busiest rank of each figure
-            base = worst if base is None else base
-            print(
-                f"| {seq:,} | {cp} | {worst[0] / MIB:,.0f} | {worst[0] / base[0]:.2f} | "
-                f"{worst[1] / MIB:,.0f} | {worst[2]:.1f} | {worst[2] / base[2]:.2f} | "
-                f"{worst[3]:.1f} | {float((rows[:, 4] / rows[:, 3]).mean()):.1%} |",
-                flush=True,
-            )
+        for window in args.windows:
+            base: torch.Tensor | None = None
+            for cp in args.cp:
+                layout = [
+                    "--model.n_layers", str(args.layers), "--training.seq_len", str(seq),
+                    "--training.local_batch_size", "1", "--checkpoint.enable", "false",
+                    "--validation.enable", "false", "--metrics.log_freq", "1000",
+                    "--training.steps", "1000", "--parallelism.context_parallel_degree", str(cp),
+                    "--model.sliding_window", str(window),
+                ]  # fmt: skip
+                rows = measure(cp, layout, args.warmup)
+                worst = rows.max(dim=0).values  # the busiest rank of each figure
+                base = worst if base is None else base
+                print(
+                    f"| {seq:,} | {window or '-'} | {cp} | {worst[0] / MIB:,.0f} | "
+                    f"{worst[0] / base[0]:.2f} | {worst[1] / MIB:,.0f} | {worst[2]:.1f} | "
+                    f"{worst[2] / base[2]:.2f} | {worst[3]:.1f} | "
+                    f"{float((rows[:, 4] / rows[:, 3]).mean()):.1%} | {worst[5] / 1024:,.0f} |",
+                    flush=True,
+                )
     return 0
 
 

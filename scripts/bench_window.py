@@ -10,9 +10,13 @@ random tokens (the optimizer step left out: it does not depend on attention). Va
                 the same blocked kernel runs, over the whole triangle)
 
 Per variant: the attention FLOPs per token and the model's (titanlite's formula, which MFU
-uses), and the median over the measured steps of the step's wall and CPU time.
+uses), and the median over the measured steps of the step's wall and CPU time. Then, per
+context-parallel degree (--cp), the bytes of keys and values the busiest cp rank receives in
+one step's forward for one sequence (``titanlite.parallel.context.kv_bytes_received``, what
+the exchange plans send; the backward sends as many back): windowed layers receive only the
+keys their windows reach, full ones gather the sequence.
 
-    python scripts/bench_window.py --seq-len 4096 --window 128
+    python scripts/bench_window.py --seq-len 4096 --window 128 [--bytes-only]
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch.nn.functional as F
 from titanlite.models import get
 from titanlite.models.decoder_spec import attention_flops_per_token
 from titanlite.models.init import init_parameters
+from titanlite.parallel.context import kv_bytes_received
 
 VARIANTS = {"window, LG": ("LG", True), "window, L": ("L", True), "full": ("L", False)}
 
@@ -40,7 +45,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps first")
     parser.add_argument("--steps", type=int, default=2, help="measured steps")
+    parser.add_argument("--cp", type=int, nargs="+", default=[2, 4], help="CP degrees (bytes)")
+    parser.add_argument("--bytes-only", action="store_true", help="skip the timed steps")
     return parser.parse_args(argv)
+
+
+def cp_bytes(args: argparse.Namespace, pattern: str, windowed: bool, cp: int) -> int:
+    """Forward bytes of keys and values the busiest cp rank receives per step, all layers."""
+    overrides = {"sliding_window": args.window if windowed else 0, "window_pattern": pattern}
+    a = get("gpt_oss").make_args("debugmodel", args.vocab, args.seq_len, overrides)
+    return sum(
+        kv_bytes_received(
+            seq_len=args.seq_len, cp=cp, window=a.layer_window(layer), batch=1,
+            kv_channels=a.n_kv_heads * a.head_dim, element_size=4,
+        )
+        for layer in range(a.n_layers)
+    )  # fmt: skip
+
+
+def print_cp_bytes(args: argparse.Namespace) -> None:
+    print(
+        f"\nCP bytes moved per step (keys and values received by the busiest cp rank, forward; "
+        f"backward sends as many back), 1 sequence of {args.seq_len}, fp32"
+    )
+    print("| variant | " + " | ".join(f"cp {cp} KiB | vs full" for cp in args.cp) + " |")
+    print("|---|" + "---:|---:|" * len(args.cp))
+    full = {cp: cp_bytes(args, "L", False, cp) for cp in args.cp}
+    for name, variant in VARIANTS.items():
+        cells = []
+        for cp in args.cp:
+            moved = cp_bytes(args, *variant, cp)
+            cells.append(f"{moved / 1024:,.0f} | {moved / full[cp]:.3f}x")
+        print(f"| {name} | " + " | ".join(cells) + " |")
 
 
 def measure(args: argparse.Namespace, pattern: str, windowed: bool) -> dict[str, float]:
@@ -70,6 +106,9 @@ def measure(args: argparse.Namespace, pattern: str, windowed: bool) -> dict[str,
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.bytes_only:
+        print_cp_bytes(args)
+        return 0
     torch.set_num_threads(1)
     torch.manual_seed(0)
     rows = {name: measure(args, *variant) for name, variant in VARIANTS.items()}
@@ -87,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             f"| {name} | {r['attention_flops']:.3g} ({r['attention_flops'] / full['attention_flops']:.2f}x) "
             f"| {r['flops']:.3g} | {r['wall_s']:.2f} | {r['cpu_s']:.2f} | {r['cpu_s'] / full['cpu_s']:.2f}x |"
         )
+    print_cp_bytes(args)
     return 0
 
 

@@ -112,3 +112,60 @@ def hybrid_matches_full(rank: int, world: int, seq: int, documents: bool) -> dic
         "received_bytes": split.received_bytes,
         "kv_bytes": split.kv_equivalent_bytes,
     }
+
+
+def window_matches_full(
+    rank: int, world: int, seq: int, cases: list[tuple[int, bool, bool]]
+) -> list[dict[str, float | int | None]]:
+    """Per case (window, documents, sinks): a windowed core (the masked one) on this rank's
+    chunks, receiving only the keys its windows reach, against the same core over the whole
+    sequence in one process (float64): the largest differences of the outputs at this
+    rank's positions, of the gradients of queries, keys, values and sinks (summed over
+    ranks), and of QK-clip's largest logits (max over ranks); and how many tokens this rank
+    received (None: the layer gathered)."""
+    from titanlite.models.attention import MaskedAttention
+
+    results = []
+    for window, documents, sinks in cases:
+        torch.manual_seed(window)  # the same full tensors on every rank
+        batch, heads, kv_heads, head_dim = 2, 4, 2, 8
+        q, k, v = (torch.randn(batch, h, seq, head_dim, dtype=torch.float64, requires_grad=True)
+                   for h in (heads, kv_heads, kv_heads))  # fmt: skip
+        upstream = torch.randn(batch, heads, seq, head_dim, dtype=torch.float64)
+        ids = None
+        if documents:  # a boundary inside a chunk, one on a chunk's edge, one near the end
+            starts = torch.zeros(batch, seq, dtype=torch.long)
+            starts[0, [3, seq // 2, seq - 2]] = 1
+            starts[1, [seq // 4 + 1]] = 1
+            ids = starts.cumsum(1)
+        core = MaskedAttention(window=window, sink_heads=heads if sinks else 0).double()
+        if sinks:
+            torch.nn.init.normal_(core.sinks)
+        core.record_max_logits = True
+        full = core(q, k, v, documents=ids)
+        full.backward(upstream)
+        full_logits, core.max_logits = core.max_logits, None
+        full_sinks = None if core.sinks is None else core.sinks.grad.clone()
+        core.zero_grad()
+
+        context = ContextParallel(dist.group.WORLD, world, rank)
+        context.windows.add(window)
+        mine = context.positions(seq // world, q.device)
+        plan = context.exchange(window, seq // world, q.device)
+        local = [t.detach()[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
+        core.sequence_split = context
+        out = core(*local, documents=ids)
+        out.backward(upstream[:, :, mine])
+        dist.all_reduce(core.max_logits, op=dist.ReduceOp.MAX)
+        diffs: dict[str, float | int | None] = {
+            "out": (out - full.detach()[:, :, mine]).abs().max().item(),
+            "max_logits": (core.max_logits - full_logits).abs().max().item(),
+            "received": None if plan is None else sum(plan.recv_counts),
+        }
+        for name, tensor, piece in zip("qkv", (q, k, v), local, strict=True):
+            diffs[f"grad_{name}"] = (piece.grad - tensor.grad[:, :, mine]).abs().max().item()
+        if full_sinks is not None:
+            dist.all_reduce(core.sinks.grad)
+            diffs["grad_sinks"] = (core.sinks.grad - full_sinks).abs().max().item()
+        results.append(diffs)
+    return results

@@ -1,8 +1,9 @@
 """Context parallelism: the split of each sequence (load-balanced chunks, positions), the
 checks before launch, and the attention kernel against full causal attention on 2 and 4 gloo
-ranks (float64, outputs and gradients), and the linear-attention layers' state passing on a
-Qwen3.5 hybrid. Training parity of every CP layout is in
-test_parity.py, resume across CP degrees in test_resume_layouts.py."""
+ranks (float64, outputs and gradients), the windowed layers' exchange of only the keys their
+windows reach, and the linear-attention layers' state passing on a Qwen3.5 hybrid. Training
+parity of every CP layout is in test_parity.py, resume across CP degrees in
+test_resume_layouts.py."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from titanlite.checks import check, check_context
 from titanlite.compare import relative_difference
 from titanlite.config import ConfigError, JobConfig, resolve_degrees
 from titanlite.errors import Problems
-from titanlite.parallel.context import chunk_positions
+from titanlite.parallel.context import chunk_positions, kv_bytes_received
 
 
 def config(**parallelism: int) -> JobConfig:
@@ -98,6 +99,38 @@ def test_attention_kernel_with_documents_matches_a_block_causal_mask(world: int)
     )  # fmt: skip
     for rank, worst in enumerate(diffs):
         assert max(worst.values()) < 1e-12, (rank, worst)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_windowed_attention_receives_only_what_its_windows_reach(world: int) -> None:
+    """Chunks of 4 tokens; windows of 1 (nothing to receive), 3 (the 2-token tail of the
+    chunk before), 5 (the whole chunk before), 7 (two chunks back) and the whole sequence (it
+    reaches every key: the layer gathers), with and without documents and sinks: outputs,
+    gradients (sinks' too) and QK-clip's largest logits of one process, float64."""
+    seq, chunk = 8 * world, 4
+    cases = [(1, False, True), (3, True, True), (5, False, True), (7, True, False),
+             (seq, True, True)]  # fmt: skip
+    results = get_pool(world).run(cp_scenarios.window_matches_full, seq=seq, cases=cases)
+    for rank, per_case in enumerate(results):
+        for (window, _, sinks), diffs in zip(cases, per_case, strict=True):
+            worst = max(v for key, v in diffs.items() if key != "received")
+            assert worst < 1e-12, (rank, window, diffs)
+            assert ("grad_sinks" in diffs) == sinks
+            reach = window - 1
+            if reach <= chunk:  # the tails before its chunks: one for the first and last rank
+                assert diffs["received"] == reach * (1 if rank in (0, world - 1) else 2)
+            elif window < seq:  # more, but less than the gather's (cp - 1) x local tokens
+                assert 0 < diffs["received"] < (world - 1) * 2 * chunk, (rank, diffs)
+            else:
+                assert diffs["received"] is None
+    # The byte count docs and benchmarks quote is what the busiest rank received (1 channel
+    # of 1 byte: 2 per token, keys and values), the gather's where the layer gathered.
+    for w, per_rank in zip(cases, zip(*results, strict=True), strict=True):
+        received = [(world - 1) * 2 * chunk if d["received"] is None else d["received"]
+                    for d in per_rank]  # fmt: skip
+        assert kv_bytes_received(seq_len=seq, cp=world, window=w[0], batch=1, kv_channels=1,
+                                 element_size=1) == 2 * max(received), w  # fmt: skip
 
 
 @pytest.mark.slow

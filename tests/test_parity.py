@@ -346,4 +346,10 @@ def test_window_and_sinks_match_one_process(
     run = train(
         tmp_path_factory, name, "llama3", *ATTENTION_VARIANTS, *layout.args(), ngpu=layout.ngpu
     )
+    # The windowed layer's keys travel by the window exchange, not the whole gather: 24 - 1
+    # keys before a 16-token chunk reach two chunks back (context.WindowExchange).
+    assert (
+        "1 layer(s) with a window of 24 receive only the keys and values their windows reach: "
+        "at most 23 tokens per rank and layer instead of 32" in run.output
+    ), run.output
     assert_parity(name, variants_baseline, run.curves)

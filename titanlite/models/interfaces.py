@@ -13,9 +13,11 @@ device; the model calls through them and knows nothing of process groups:
 - ``AttentionCore.sequence_split``: context parallelism. An object whose
   ``attention(core, q, k, v, documents)`` returns this rank's attention output when the local
   sequence is this rank's share of a longer one. It gathers keys and values and calls back
-  ``core.attend`` with the chunks this rank holds. A core with ``recurrent = True`` (linear
-  attention) gets a ``RecurrentSplit`` instead: its layer runs this rank's chunks as rows and
-  the split supplies what each chunk needs from the ones before it (a state, a few tokens).
+  ``core.attend`` with the chunks this rank holds (with a ``mask.window``, once per chunk
+  with only the keys its window reaches, positions counted from the first of them). A core
+  with ``recurrent = True`` (linear attention) gets a ``RecurrentSplit`` instead: its layer
+  runs this rank's chunks as rows and the split supplies what each chunk needs from the ones
+  before it (a state, a few tokens).
 - ``RoutedExperts.dispatch``: expert parallelism. ``dispatch(rows, counts, experts)`` moves
   rows (sorted by global expert, ``counts`` per expert) to the ranks holding their experts,
   runs ``experts(rows, local_counts)`` there and brings the outputs back.
@@ -49,7 +51,9 @@ class Mask:
     causal: bool = True
     """A query sees keys at or before its own position."""
     window: int | None = None
-    """Sliding window: a query sees at most this many keys ending at its own (None = all)."""
+    """Sliding window: a query sees at most this many keys ending at its own (None = all).
+    A windowed core uses positions only relatively: context parallelism hands it each chunk
+    with just the keys its window reaches, positions counted from the first of them."""
     sink: bool = False
     """A learned logit per head joins every softmax row (attends to nothing)."""
     documents: bool = True

@@ -14,11 +14,20 @@ with it (``AttentionCore.attend``). For causal attention on the CPU that is the 
 twice, over the fully visible keys and causally over the chunk's own, merged by log-sum-exp,
 so no mask is ever built; other devices use a boolean mask on scaled_dot_product_attention
 (correct, but the kernels keep it for backward: chunk x prefix bytes per layer). This module
-only moves keys and values: the attention math is the core's. A sliding window or sinks
-(the masked core) need nothing more: the core attends each chunk to the band of gathered
-keys its window reaches, and a sink joins each query's one softmax row over those keys, so
-it counts once per row, not once per chunk. (A windowed layer needs only the keys up to
-window - 1 before each chunk; gathering all of them is correct, not minimal.)
+only moves keys and values: the attention math is the core's. Sinks need nothing more: a
+sink joins each query's one softmax row, so it counts once per row, not once per chunk.
+
+A sliding window of w keys (``core.mask.window``) needs less: chunk j reaches only the
+w - 1 keys before its first position, so each rank receives just those (``WindowExchange``:
+for w - 1 <= c the tail of the chunk before each of its chunks, from its two neighbours in
+rank order; a longer window reaches further back, over several chunks). One all-to-all per
+layer moves them (backward: the gradients of those keys go back the same way, as many bytes
+again), and the core attends each chunk over [the keys its window reaches + its own], with
+positions counted from the first of them (a windowed core uses positions only relatively)
+and the documents sliced alike. With w - 1 <= c a rank receives at most 2 (w - 1) tokens
+per layer whatever the sequence length, against (cp - 1) S / cp for the gather
+(``kv_bytes_received``), and keeps S / cp + 2 (w - 1) keys for backward instead of S. Where
+the window reaches as many keys as the gather would bring, the layer gathers.
 
 Gathering, not a ring exchange: with grouped-query attention the keys and values are a small
 part of the activations (measured in docs/context_parallel.md), one collective per layer for
@@ -28,11 +37,17 @@ send/receive pairing and per-hop latency chain of a ring.
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from titanlite.models.interfaces import AttentionCore, find
+from titanlite.parallel.expert import _AllToAll
+
+logger = logging.getLogger(__name__)
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -66,6 +81,78 @@ def chunk_positions(local_len: int, cp: int, rank: int) -> torch.Tensor:
                       torch.arange(second * c, (second + 1) * c)])  # fmt: skip
 
 
+def _holder(position: int, c: int, cp: int) -> tuple[int, int]:
+    """(cp rank, local row) of the token at ``position`` with chunks of ``c`` tokens."""
+    j = position // c
+    return (j, position % c) if j < cp else (2 * cp - 1 - j, c + position % c)
+
+
+def window_reach(local_len: int, cp: int, window: int) -> list[list[int]]:
+    """Per cp rank, the positions (ascending) of the other ranks' tokens that its queries
+    reach with a sliding ``window``: the ``window - 1`` before each of its two chunks."""
+    c = local_len // 2
+    reach = []
+    for rank in range(cp):
+        wanted: set[int] = set()
+        for j in (rank, 2 * cp - 1 - rank):
+            wanted.update(range(max(0, j * c - (window - 1)), j * c))
+        reach.append(sorted(p for p in wanted if _holder(p, c, cp)[0] != rank))
+    return reach
+
+
+def kv_bytes_received(
+    *, seq_len: int, cp: int, window: int | None, batch: int, kv_channels: int, element_size: int
+) -> int:
+    """Bytes of keys and values the busiest cp rank receives for one attention layer in one
+    forward (its backward sends as many back): the whole sequence but its own share for full
+    attention (``window`` None) or a window that reaches as far, else what the window reaches.
+    ``kv_channels``: key heads x head dim (values alike)."""
+    local = seq_len // cp
+    tokens = (cp - 1) * local
+    if window is not None:
+        tokens = min(tokens, max(len(r) for r in window_reach(local, cp, window)))
+    return tokens * 2 * batch * kv_channels * element_size
+
+
+@dataclass(frozen=True)
+class WindowExchange:
+    """What one rank sends and receives for a windowed layer, and how it lays out each
+    chunk's keys: ``send`` local rows (grouped by destination, ``send_counts[r]`` to rank r),
+    ``recv_counts[r]`` rows from rank r; per local chunk ``spans`` holds (rows of [local,
+    received] in sequence order, first position of those keys, the chunk's first position)."""
+
+    send: torch.Tensor
+    send_counts: list[int]
+    recv_counts: list[int]
+    spans: list[tuple[torch.Tensor, int, int]]
+
+    @staticmethod
+    def plan(
+        *, local_len: int, cp: int, rank: int, window: int, device: torch.device
+    ) -> WindowExchange | None:
+        """The exchange, or None when the window reaches as much as gathering brings."""
+        reach = window_reach(local_len, cp, window)
+        if max(len(r) for r in reach) >= (cp - 1) * local_len:
+            return None
+        c = local_len // 2
+        send: list[int] = []
+        send_counts = [0] * cp
+        for other in range(cp):
+            rows = [row for p in reach[other] for r, row in [_holder(p, c, cp)] if r == rank]
+            send += rows
+            send_counts[other] = len(rows)
+        mine = sorted(reach[rank], key=lambda p: (_holder(p, c, cp)[0], p))  # arrival order
+        arrived = {p: local_len + i for i, p in enumerate(mine)}
+        recv_counts = [sum(_holder(p, c, cp)[0] == r for p in mine) for r in range(cp)]
+        spans = []
+        for j in (rank, 2 * cp - 1 - rank):
+            lo = max(0, j * c - (window - 1))
+            rows = [arrived.get(p, _holder(p, c, cp)[1]) for p in range(lo, (j + 1) * c)]
+            spans.append((torch.tensor(rows, device=device), lo, j * c))
+        return WindowExchange(torch.tensor(send, dtype=torch.long, device=device),
+                              send_counts, recv_counts, spans)  # fmt: skip
+
+
 class ContextParallel:
     """This rank's part of the cp group: the split of sequences and the attention over it."""
 
@@ -73,6 +160,9 @@ class ContextParallel:
         self.group, self.degree, self.rank = group, degree, rank
         self.masked = masked  # the boolean-mask kernel on the CPU too (tests compare both)
         self._cache: dict[tuple[str, int, torch.device], torch.Tensor] = {}
+        self.windows: set[int] = set()
+        """The sliding windows of the cores pointed here (``apply_cp``)."""
+        self._exchanges: dict[tuple[int, int, torch.device], WindowExchange | None] = {}
 
     def _cached(self, kind: str, n: int, device: torch.device) -> torch.Tensor:
         key = (kind, n, device)
@@ -92,7 +182,19 @@ class ContextParallel:
         also prepares what attention looks up (a compiled or recomputed block must not fill
         a cache)."""
         self._cached("order", local_len, device)
+        for window in self.windows:
+            self.exchange(window, local_len, device)
         return self._cached("positions", local_len, device)
+
+    def exchange(self, window: int, local_len: int, device: torch.device) -> WindowExchange | None:
+        """This rank's exchange for a ``window`` over ``local_len`` local tokens (None: the
+        layer gathers instead)."""
+        key = (window, local_len, device)
+        if key not in self._exchanges:
+            self._exchanges[key] = WindowExchange.plan(
+                local_len=local_len, cp=self.degree, rank=self.rank, window=window, device=device
+            )
+        return self._exchanges[key]
 
     def shard(self, batch: torch.Tensor) -> torch.Tensor:
         """[batch, seq] token ids or labels -> this rank's [batch, seq / cp] share."""
@@ -118,6 +220,10 @@ class ContextParallel:
         local = q.shape[2]
         # One collective for keys and values: [2, b, h, s, d] -> seq first -> gather.
         kv = torch.stack([k, v]).permute(3, 0, 1, 2, 4)
+        window = core.mask.window
+        plan = None if window is None else self.exchange(window, local, kv.device)
+        if plan is not None:
+            return self._windowed(core, q, kv, plan, documents=documents)
         kv = _GatherSequence.apply(kv, self.group)
         kv = kv.index_select(0, self._cache["order", local, kv.device])
         keys, values = kv.permute(1, 2, 3, 0, 4)
@@ -125,17 +231,58 @@ class ContextParallel:
         chunks = [(i * c, c) for i in (self.rank, 2 * self.degree - 1 - self.rank)]
         return core.attend(q, keys, values, chunks, documents=documents, masked=self.masked)
 
+    def _windowed(
+        self,
+        core: AttentionCore,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        plan: WindowExchange,
+        *,
+        documents: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``attention`` for a windowed core: only the keys and values (``kv`` [local, 2, b,
+        h_kv, d]) the windows reach travel, and each chunk attends over those before it and
+        its own, positions and documents counted from the first of them."""
+        source = kv
+        if any(plan.send_counts) or any(plan.recv_counts):  # a window of 1 reaches no other
+            sent = kv.index_select(0, plan.send)
+            received = _AllToAll.apply(sent, plan.recv_counts, plan.send_counts, self.group)
+            source = torch.cat([kv, received])
+        c = q.shape[2] // 2
+        outs = []
+        for i, (rows, lo, first) in enumerate(plan.spans):
+            keys, values = source.index_select(0, rows).permute(1, 2, 3, 0, 4)
+            docs = None if documents is None else documents[:, lo : first + c]
+            outs.append(core.attend(
+                q[:, :, i * c : (i + 1) * c], keys, values, [(first - lo, c)],
+                documents=docs, masked=self.masked,
+            ))  # fmt: skip
+        return torch.cat(outs, dim=2)
 
-def apply_cp(model: nn.Module, context: ContextParallel) -> int:
+
+def apply_cp(model: nn.Module, context: ContextParallel, seq_len: int | None = None) -> int:
     """Point every (non-recurrent) attention core of ``model`` at ``context``; returns how
-    many cores the model has."""
+    many cores the model has. Given ``seq_len``, logs what each windowed layer receives."""
     cores = find(model, AttentionCore)
     if not cores:
         raise ValueError("context parallelism found no attention core in the model")
+    windows: dict[int, int] = {}
     for core in cores:
         if core.recurrent:
             continue  # linear attention passes a state instead: linear_context.apply_linear_cp
         if not core.mask.causal:
             raise ValueError(f"context parallelism takes causal attention only, not {core.mask}")
         core.sequence_split = context
+        if core.mask.window is not None:
+            windows[core.mask.window] = windows.get(core.mask.window, 0) + 1
+    context.windows.update(windows)
+    for window, count in windows.items() if seq_len else ():
+        local, cp = seq_len // context.degree, context.degree
+        tokens = max(len(r) for r in window_reach(local, cp, window))
+        logger.info(
+            "context parallelism: %d layer(s) with a window of %d %s", count, window,
+            f"receive only the keys and values their windows reach: at most {tokens} tokens "
+            f"per rank and layer instead of {(cp - 1) * local}" if tokens < (cp - 1) * local
+            else "gather every key and value (their windows reach as far)",
+        )  # fmt: skip
     return len(cores)

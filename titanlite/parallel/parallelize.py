@@ -94,7 +94,7 @@ def parallelize(
         if d.tp > 1:
             apply_tp(part, spec, dims["tp"], loss_parallel=lp)
         if context is not None:
-            apply_cp(part, context)
+            apply_cp(part, context, seq_len=t.seq_len)
             if apply_linear_cp(part, context) is not None:
                 recurrent_cp = True
         if d.ep > 1:

@@ -56,6 +56,36 @@ def train(rank: int, world: int, argv: list[str]) -> dict[str, Any] | None:
     return read_run(Path(cfg.job.dump_folder)) if rank == 0 else None
 
 
+def train_until_preempted(rank: int, world: int, argv: list[str], stop_at: int) -> str:
+    """Train as `train` does, then stop at step ``stop_at`` as a preempted run does: every rank
+    votes to stop there (as after a SIGTERM), the step is saved and the run ends (Preempted).
+    The schedule and data are those of the whole run, cut short. Returns Preempted's line."""
+    import signal
+
+    from titanlite.errors import Preempted
+    from titanlite.stop_vote import PREEMPTED
+
+    cfg = load_config(["--job.config_file", DEBUG_CONFIG, *argv])
+    trainer = Trainer(cfg)
+    vote, read = trainer.vote, trainer.vote.read
+
+    def read_stopping_at() -> tuple[bool, bool]:
+        stop, timed_save = read()  # the real vote still settles (an all-reduce in flight)
+        if trainer.state.step == stop_at:
+            vote.signal, vote.level = signal.SIGTERM, PREEMPTED
+            return True, timed_save
+        return stop, timed_save
+
+    vote.read = read_stopping_at
+    try:
+        trainer.train()
+    except Preempted as stopped:
+        return str(stopped)
+    finally:
+        trainer.close()
+    raise AssertionError(f"the run was not stopped at step {stop_at}")
+
+
 def on_pool(world: int, argv: list[str]) -> dict[str, Any]:
     """``train`` with ARGV on ``world`` ranks of the reused worker pool (tests/pool.py):
     rank 0's result, what the run wrote."""

@@ -137,6 +137,8 @@ class Decoder(nn.Module):
         tokens: torch.Tensor,
         positions: torch.Tensor | None = None,
         documents: torch.Tensor | None = None,
+        *,
+        ahead: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Token ids -> logits (in training with ``mtp_layers`` depths [batch, (1 + depths) x
         seq, vocab]: the main logits, then each depth's, ``titanlite.models.mtp``); a pipeline
@@ -147,6 +149,9 @@ class Decoder(nn.Module):
         not 0, 1, ... (a context-parallel rank holds chunks of a longer sequence; positions
         may restart at each document). ``documents`` [batch, whole seq] (document numbers,
         see ``attention.document_ids``) makes attention block-causal within documents.
+        ``ahead`` [depths, batch, seq]: for each multi-token prediction depth d, the id d
+        places later in the whole sequence at each token (default: ``tokens_ahead`` of
+        ``tokens``; a context-parallel rank's chunks cannot look past their own ends).
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         rope = self.rope if positions is None else self.rope[positions]
@@ -160,7 +165,8 @@ class Decoder(nn.Module):
         # Training with multi-token prediction: each depth's logits follow along the sequence.
         ahead = []
         for d, depth in enumerate(self.mtp.values(), start=1):
-            h = depth(self.tok_embeddings(tokens_ahead(tokens, d)), h, rope, documents)
+            later = tokens_ahead(tokens, d) if ahead is None else ahead[d - 1]
+            h = depth(self.tok_embeddings(later), h, rope, documents)
             ahead.append(self.output(depth.norm(h)).float())
         return torch.cat([logits, *ahead], dim=1)
 

@@ -163,12 +163,12 @@ class Decoder(nn.Module):
         if self.mtp is None or not self.training:
             return logits
         # Training with multi-token prediction: each depth's logits follow along the sequence.
-        ahead = []
+        depth_logits = []
         for d, depth in enumerate(self.mtp.values(), start=1):
             later = tokens_ahead(tokens, d) if ahead is None else ahead[d - 1]
             h = depth(self.tok_embeddings(later), h, rope, documents)
-            ahead.append(self.output(depth.norm(h)).float())
-        return torch.cat([logits, *ahead], dim=1)
+            depth_logits.append(self.output(depth.norm(h)).float())
+        return torch.cat([logits, *depth_logits], dim=1)
 
     def init_buffers(self) -> None:
         """Recompute the RoPE tables on the model's device (after to_empty from meta) and

@@ -13,7 +13,7 @@ node. Parallelisms ask for the derived meshes by role:
   sequence  cp x tp                    ranks that hold shards of the same sequences (a layer
                                        that routes its own tokens: a mixture of experts)
   expert_fsdp  dp_shard_out x cp       under expert parallelism with cp > 1: the ranks that
-                                       shard each ep rank's experts (ep sits between the two)
+                                       shard each ep rank's experts (ep then sits inside cp)
 """
 
 from __future__ import annotations
@@ -50,6 +50,11 @@ class ParallelDims:
             i = names.index("dp_shard")
             names[i : i + 1] = shard = ("dp_shard_out", "ep")
             sizes[i : i + 1] = (d.dp_shard // d.ep, d.ep)
+            if d.cp > 1:  # ep inside cp too: the experts' FSDP ranks (dp_shard_out x cp) and
+                # the ep ranks, each contiguous, as DTensor redistributions need (torch 2.13)
+                j = names.index("cp")
+                names[i + 1 : j + 1] = names[i + 2 : j + 1] + ["ep"]
+                sizes[i + 1 : j + 1] = sizes[i + 2 : j + 1] + [d.ep]
         self.mesh = init_device_mesh(self.device_type, tuple(sizes), mesh_dim_names=tuple(names))
         if d.ep > 1:
             self._derived["dp_shard"] = self.mesh[shard]._flatten(mesh_dim_name="dp_shard")
@@ -57,11 +62,12 @@ class ParallelDims:
         if d.cp > 1 and d.tp > 1:
             roles["sequence"] = ("cp", "tp")
         for role, dims in roles.items():
-            dims = tuple(n for dim in dims for n in (shard if dim == "dp_shard" else (dim,)))
+            dims = [n for dim in dims for n in (shard if dim == "dp_shard" else (dim,))]
+            dims = tuple(sorted(dims, key=names.index))  # (slices keep the mesh's order)
             self._derived[role] = self.mesh[dims]._flatten(mesh_dim_name=role)
         if d.tp == 1:
             self._derived["tokens"] = self._derived["loss"]
-        if d.ep > 1 and d.cp > 1:  # (not contiguous: ep between them)
+        if d.ep > 1 and d.cp > 1:
             self._derived["expert_fsdp"] = self.mesh["dp_shard_out", "cp"]._flatten(
                 mesh_dim_name="expert_fsdp"
             )

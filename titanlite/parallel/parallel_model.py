@@ -138,7 +138,8 @@ class ParallelModel:
                 positions = self.documents.positions(documents)
         if self.context is not None:
             mine = self.context.positions(tokens.shape[1] // self.context.degree, tokens.device)
-            if self.mtp_depths:  # each depth's ids d places later (the model's tokens_ahead)
+            if self.mtp_depths and self.parts[0].training:  # (the depths run in training)
+                # each depth's ids d places later in the whole sequence (the model's tokens_ahead)
                 later = [torch.roll(tokens, -d, dims=1) for d in range(1, self.mtp_depths + 1)]
                 extra["ahead"] = torch.stack(later)[:, :, mine]
             tokens = tokens[:, mine]

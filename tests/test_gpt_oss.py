@@ -177,7 +177,7 @@ def test_mxfp4_experts_import_to_the_values_they_encode(tmp_path: Path, capsys) 
 # --------------------------------------------------------------------------- parallel layouts
 # The smallest gpt-oss: 2 layers (a windowed one with sinks, a full one with sinks), 4 heads
 # over 2 key/value heads, 4 biased experts of width 32 (top-2), the balancing loss on (under
-# TP each rank routes its own tokens: the loss needs the whole sequence's counts).
+# TP and CP each rank routes its own tokens: the loss needs the whole sequence's counts).
 PARITY_ARGS = [
     "--model.name", "gpt_oss", "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads",
     "4", "--model.n_kv_heads", "2", "--model.head_dim", "16", "--model.num_experts", "4",
@@ -187,7 +187,8 @@ PARITY_ARGS = [
 ]  # fmt: skip
 PARITY_LAYOUTS = {  # name: (ranks, local batch of the global 4, mesh degrees, extra options)
     "dp_shard2_tp2": (4, 2, {"dp_shard": 2, "tp": 2}, ("--parallelism.tensor_parallel_degree", "2")),
-    "ep2": (2, 2, {"dp_shard": 2}, ("--parallelism.expert_parallel_degree", "2")),
+    "ep2_cp2": (4, 2, {"dp_shard": 2, "cp": 2}, ("--parallelism.expert_parallel_degree", "2",
+                                                 "--parallelism.context_parallel_degree", "2")),
     "pp2": (2, 4, {"pp": 2}, ("--parallelism.pipeline_parallel_degree", "2",
                               "--parallelism.pipeline_parallel_microbatch_size", "1")),
 }  # fmt: skip
@@ -196,9 +197,11 @@ PARITY_LAYOUTS = {  # name: (ranks, local batch of the global 4, mesh degrees, e
 @pytest.mark.slow
 def test_parallel_layouts_train_like_one_process(tmp_path: Path) -> None:
     """fp32, 8 steps, global batch 4: dp_shard 2 x tp 2 (q/k/v biases split with their
-    rows, o's added once, sinks split with the heads), ep 2 (experts and their biases split
-    by expert over dp_shard 2) and pp 2 against one process: loss and gradient norm within
-    1e-5 relative at every step."""
+    rows, o's added once, sinks split with the heads), dp_shard 2 x cp 2 with ep 2 (each
+    sequence in 4 chunks of 8 tokens, the window of 8 reaching across chunks, a sink in each
+    query's one softmax row; the balancing loss's expert shares summed over the cp ranks;
+    experts and their biases split by expert over dp_shard 2, FSDP-sharded over cp) and pp 2
+    against one process: loss and gradient norm within 1e-5 relative at every step."""
     import train_scenarios
     from pool import get_pool
 
@@ -224,7 +227,7 @@ def test_parallel_layouts_train_like_one_process(tmp_path: Path) -> None:
         run = train(name, world, local_batch, *extra)
         got = run["info"]["parallel_degrees"]
         assert {d: v for d, v in got.items() if v > 1} == degrees, (name, got)
-        if name == "ep2":
+        if name == "ep2_cp2":
             assert "split over ep=2 ranks" in run["log"], run["log"]
         for metric, values in curves(run).items():
             worst[f"{name} {metric}"] = max(

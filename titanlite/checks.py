@@ -65,15 +65,6 @@ def check_pipeline(cfg: JobConfig, degrees: Degrees, args: Any, problems: Proble
         )
 
 
-def check_experts(cfg: JobConfig, degrees: Degrees, problems: Problems) -> None:
-    """Mixture-of-experts models train with every layout but context parallelism."""
-    if degrees.cp > 1:
-        problems.add(
-            f"parallelism.context_parallel_degree {degrees.cp}: {cfg.model.name} (mixture of "
-            "experts) does not take context parallelism yet; set it to 1"
-        )
-
-
 def check_context(cfg: JobConfig, degrees: Degrees, problems: Problems) -> None:
     """What context parallelism needs: sequences that split into 2 chunks per cp rank, each
     rank's share split again by sequence parallelism; no pipeline stages (not built yet)."""
@@ -133,17 +124,13 @@ def check(cfg: JobConfig, world_size: int) -> Tokenizer | None:
                     "keys (qk-norm), which undoes QK-clip's scaling of wq and wk; leave it unset"
                 )
             depths = getattr(args, "mtp_layers", 0)
-            for key, degree in (
-                (("pipeline", degrees.pp), ("context", degrees.cp)) if degrees else ()
-            ):
-                if depths and degree > 1:
-                    problems.add(
-                        f"parallelism.{key}_parallel_degree {degree}: multi-token prediction "
-                        f"(model.mtp_layers {depths}) does not run under {key} parallelism yet; "
-                        "set it to 1 or model.mtp_layers to 0"
-                    )
+            if depths and degrees and degrees.pp > 1:
+                problems.add(
+                    f"parallelism.pipeline_parallel_degree {degrees.pp}: multi-token prediction "
+                    f"(model.mtp_layers {depths}) does not run under pipeline parallelism yet; "
+                    "set it to 1 or model.mtp_layers to 0"
+                )
             if degrees and spec.experts:
-                check_experts(cfg, degrees, problems)
                 if degrees.ep > 1 and args.num_experts % degrees.ep:
                     problems.add(
                         f"parallelism.expert_parallel_degree {degrees.ep} does not divide "

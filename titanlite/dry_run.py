@@ -139,19 +139,21 @@ def _expert_state_line(layers: list[moe.MoE], d: Degrees) -> str:
     n = layers[0].num_experts
     per_expert = sum(p.numel() for p in layers[0].experts.parameters()) // n  # global shapes
     here = local / len(layers) / per_expert
+    cp = f" x cp={d.cp}" if d.cp > 1 else ""  # the cp ranks shard the experts too
     if d.ep > 1:
         split = (
             f"split {n // d.ep} per ep rank (ep={d.ep}), then FSDP-sharded over the other "
-            f"{d.dp_shard // d.ep} dp_shard ranks"
+            f"{d.dp_shard // d.ep} dp_shard ranks{cp}"
         )
     elif d.dp_shard > 1:
-        split = f"FSDP-sharded over dp_shard={d.dp_shard} (no expert parallelism)"
+        split = f"FSDP-sharded over dp_shard={d.dp_shard}{cp} (no expert parallelism)"
     else:
         split = "whole on each rank (neither expert parallelism nor FSDP)"
+    shards = d.dp_shard * d.cp if d.dp_shard > 1 else 1
     return (
         f"  experts         {gib:.2f} GiB of that model state ({local:,} elements): each "
         f"layer's {n} experts {split}; {here:.2f} experts' worth here per layer (an even "
-        f"share: {n / d.dp_shard:.2f})"
+        f"share: {n / shards:.2f})"
     )
 
 

@@ -137,6 +137,8 @@ class Decoder(nn.Module):
         tokens: torch.Tensor,
         positions: torch.Tensor | None = None,
         documents: torch.Tensor | None = None,
+        *,
+        ahead: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Token ids -> logits (in training with ``mtp_layers`` depths [batch, (1 + depths) x
         seq, vocab]: the main logits, then each depth's, ``titanlite.models.mtp``); a pipeline
@@ -147,6 +149,9 @@ class Decoder(nn.Module):
         not 0, 1, ... (a context-parallel rank holds chunks of a longer sequence; positions
         may restart at each document). ``documents`` [batch, whole seq] (document numbers,
         see ``attention.document_ids``) makes attention block-causal within documents.
+        ``ahead`` [depths, batch, seq]: for each multi-token prediction depth d, the id d
+        places later in the whole sequence at each token (default: ``tokens_ahead`` of
+        ``tokens``; a context-parallel rank's chunks cannot look past their own ends).
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         rope = self.rope if positions is None else self.rope[positions]
@@ -158,11 +163,12 @@ class Decoder(nn.Module):
         if self.mtp is None or not self.training:
             return logits
         # Training with multi-token prediction: each depth's logits follow along the sequence.
-        ahead = []
+        depth_logits = []
         for d, depth in enumerate(self.mtp.values(), start=1):
-            h = depth(self.tok_embeddings(tokens_ahead(tokens, d)), h, rope, documents)
-            ahead.append(self.output(depth.norm(h)).float())
-        return torch.cat([logits, *ahead], dim=1)
+            later = tokens_ahead(tokens, d) if ahead is None else ahead[d - 1]
+            h = depth(self.tok_embeddings(later), h, rope, documents)
+            depth_logits.append(self.output(depth.norm(h)).float())
+        return torch.cat([logits, *depth_logits], dim=1)
 
     def init_buffers(self) -> None:
         """Recompute the RoPE tables on the model's device (after to_empty from meta) and

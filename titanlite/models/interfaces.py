@@ -21,9 +21,12 @@ device; the model calls through them and knows nothing of process groups:
 - ``RoutedExperts.dispatch``: expert parallelism. ``dispatch(rows, counts, experts)`` moves
   rows (sorted by global expert, ``counts`` per expert) to the ranks holding their experts,
   runs ``experts(rows, local_counts)`` there and brings the outputs back.
-- ``sequence_shards`` on a module the tensor-parallel plan runs as ``local_tokens``: an
-  object with ``degree`` and ``sum(tensor)`` (an all-reduce over the ranks holding the other
-  shards of the same sequences), for statistics that are per whole sequence.
+- ``sequence_shards`` on a module that routes its own tokens (a mixture of experts declares
+  the attribute, None by default): an object with ``degree`` and ``sum(tensor)`` (an
+  all-reduce over the ranks holding the other shards of the same sequences), for statistics
+  that are per whole sequence. Tensor parallelism sets it on the modules its plan runs as
+  ``local_tokens`` (the tp ranks); context parallelism on every module that has the
+  attribute (the cp x tp ranks).
 - ``AttentionCore.record_max_logits``: QK-clip (``titanlite.optim.qk_clip``). While true,
   each training forward folds the largest logit per query head it computed into the core's
   ``max_logits``; the optimizer reduces them over ranks and resets them.
@@ -106,7 +109,7 @@ class RecurrentSplit(Protocol):
 
 
 class SequenceShards(Protocol):
-    """What tensor parallelism sets as ``sequence_shards`` on a ``local_tokens`` module."""
+    """What tensor or context parallelism sets as ``sequence_shards``."""
 
     degree: int
 

@@ -113,7 +113,7 @@ class ModelSpec:
     active_params: Callable[[Any, int], int] | None = None
     """(args, total parameters) -> parameters one token uses (mixtures of experts)."""
     experts: bool = False
-    """Blocks hold mixture-of-experts layers (only data-parallel layouts for now)."""
+    """Blocks hold mixture-of-experts layers (the layout checks read it: ep needs experts)."""
 
     # ------------------------------------------------------------------ args
     def make_args(

@@ -10,6 +10,10 @@ node. Parallelisms ask for the derived meshes by role:
   fsdp   dp_shard x cp                 ranks that shard parameters (with dp_replicate: HSDP)
   tokens dp_replicate x dp_shard x cp x tp   ranks that hold different tokens of a stage where
                                        a layer runs on sequence shards (the loss mesh without TP)
+  sequence  cp x tp                    ranks that hold shards of the same sequences (a layer
+                                       that routes its own tokens: a mixture of experts)
+  expert_fsdp  dp_shard_out x cp       under expert parallelism with cp > 1: the ranks that
+                                       shard each ep rank's experts (ep then sits inside cp)
 """
 
 from __future__ import annotations
@@ -46,15 +50,27 @@ class ParallelDims:
             i = names.index("dp_shard")
             names[i : i + 1] = shard = ("dp_shard_out", "ep")
             sizes[i : i + 1] = (d.dp_shard // d.ep, d.ep)
+            if d.cp > 1:  # ep inside cp too: the experts' FSDP ranks (dp_shard_out x cp) and
+                # the ep ranks, each contiguous, as DTensor redistributions need (torch 2.13)
+                j = names.index("cp")
+                names[i + 1 : j + 1] = names[i + 2 : j + 1] + ["ep"]
+                sizes[i + 1 : j + 1] = sizes[i + 2 : j + 1] + [d.ep]
         self.mesh = init_device_mesh(self.device_type, tuple(sizes), mesh_dim_names=tuple(names))
         if d.ep > 1:
             self._derived["dp_shard"] = self.mesh[shard]._flatten(mesh_dim_name="dp_shard")
-        roles = dict(_DERIVED, tokens=(*_DERIVED["loss"], "tp")) if d.tp > 1 else _DERIVED
+        roles = dict(_DERIVED, tokens=(*_DERIVED["loss"], "tp")) if d.tp > 1 else dict(_DERIVED)
+        if d.cp > 1 and d.tp > 1:
+            roles["sequence"] = ("cp", "tp")
         for role, dims in roles.items():
-            dims = tuple(n for dim in dims for n in (shard if dim == "dp_shard" else (dim,)))
+            dims = [n for dim in dims for n in (shard if dim == "dp_shard" else (dim,))]
+            dims = tuple(sorted(dims, key=names.index))  # (slices keep the mesh's order)
             self._derived[role] = self.mesh[dims]._flatten(mesh_dim_name=role)
         if d.tp == 1:
             self._derived["tokens"] = self._derived["loss"]
+        if d.ep > 1 and d.cp > 1:
+            self._derived["expert_fsdp"] = self.mesh["dp_shard_out", "cp"]._flatten(
+                mesh_dim_name="expert_fsdp"
+            )
         logger.info("device mesh: %s", d.describe())
 
     def __getitem__(self, name: str) -> DeviceMesh:
@@ -90,10 +106,20 @@ class ParallelDims:
 
     def expert_fsdp_mesh(self) -> DeviceMesh:
         """FSDP's mesh for expert weights under expert parallelism: the dp_shard ranks outside
-        the expert-parallel group (with dp_replicate: 2-D, HSDP)."""
+        the expert-parallel group, and the cp ranks (their tokens meet the same experts: the
+        gradients add up over them, as the other weights' do over the fsdp mesh); with
+        dp_replicate: 2-D, HSDP."""
+        shard = "expert_fsdp" if self.degrees.cp > 1 else "dp_shard_out"
         if self.degrees.dp_replicate > 1:
-            return self.mesh["dp_replicate", "dp_shard_out"]
-        return self.mesh["dp_shard_out"]
+            return self.mesh["dp_replicate", shard]
+        return self[shard]
+
+    def sequence_group(self) -> tuple[dist.ProcessGroup, int]:
+        """The ranks holding shards of this rank's sequences (cp x tp) and how many they are:
+        per-sequence statistics of a layer that runs on its own tokens add up over them."""
+        d = self.degrees
+        name = "sequence" if d.cp > 1 and d.tp > 1 else ("cp" if d.cp > 1 else "tp")
+        return self.group(name), d.cp * d.tp
 
     def hsdp_or_fsdp_mesh(self) -> DeviceMesh:
         """FSDP's mesh: 2-D (replicate, shard) for HSDP, else the shard dimension; the shard

@@ -131,17 +131,22 @@ class ParallelModel:
         if self.pipeline is not None:
             raise RuntimeError("a pipelined model runs through its pipeline, not a call")
         positions = documents = None
+        extra = {}
         if self.documents is not None:
             documents = self.documents.ids(tokens)
             if self.documents.reset_positions:
                 positions = self.documents.positions(documents)
         if self.context is not None:
             mine = self.context.positions(tokens.shape[1] // self.context.degree, tokens.device)
+            if self.mtp_depths and self.parts[0].training:  # (the depths run in training)
+                # each depth's ids d places later in the whole sequence (the model's tokens_ahead)
+                later = [torch.roll(tokens, -d, dims=1) for d in range(1, self.mtp_depths + 1)]
+                extra["ahead"] = torch.stack(later)[:, :, mine]
             tokens = tokens[:, mine]
             positions = mine if positions is None else positions[:, mine]
-        if positions is None and documents is None:
+        if positions is None and documents is None and not extra:
             return self.modules[0](tokens)
-        return self.modules[0](tokens, positions=positions, documents=documents)
+        return self.modules[0](tokens, positions=positions, documents=documents, **extra)
 
     def local_labels(self, labels: torch.Tensor) -> torch.Tensor:
         """This rank's share of a micro-batch's labels, whose loss it computes (its context
@@ -151,11 +156,14 @@ class ParallelModel:
     def _training_labels(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """This rank's labels, with each MTP depth's targets when the model has depths (no
         target across a document boundary under training.document_mask)."""
-        labels = self.local_labels(labels)
         if not self.mtp_depths:
-            return labels
+            return self.local_labels(labels)
         documents = self.documents.ids(inputs) if self.documents is not None else None
-        return mtp_labels(labels, self.mtp_depths, documents)
+        labels = mtp_labels(labels, self.mtp_depths, documents)  # from the whole sequences
+        if self.context is None:
+            return labels
+        return labels[..., self.context.positions(labels.shape[-1] // self.context.degree,
+                                                  labels.device)]  # fmt: skip
 
     @contextlib.contextmanager
     def _train_context(self) -> Iterator[None]:

@@ -7,8 +7,8 @@ The order matters and is the same for every layout:
      apply to each stage as they would to a whole model
   1. tensor parallelism (splits layers; must see the plain modules), then context
      parallelism (points the attention cores at the cp group; linear-attention cores at
-     its state-passing form), then expert parallelism
-     (splits the experts of MoE layers over ep)
+     its state-passing form; layers with per-sequence statistics, mixtures of experts, at
+     the cp x tp ranks), then expert parallelism (splits the experts of MoE layers over ep)
   2. activation checkpointing (wraps blocks, so it goes after TP changed their insides)
   3. torch.compile per block (compiles the TP + AC block as one unit)
   4. FSDP2 when dp_shard > 1 (HSDP when dp_replicate > 1 as well)
@@ -43,6 +43,7 @@ from titanlite.parallel.linear_context import apply_linear_cp
 from titanlite.parallel.materialize import materialize
 from titanlite.parallel.parallel_model import DocumentStructure, LossSum, ParallelModel
 from titanlite.parallel.pipeline import Pipeline, split_stage, tied_copy, tied_stage_group
+from titanlite.parallel.sequence_shards import apply_sequence_shards
 from titanlite.parallel.tensor import apply_tp, local_token_params
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ def parallelize(
             apply_cp(part, context, seq_len=t.seq_len)
             if apply_linear_cp(part, context) is not None:
                 recurrent_cp = True
+            apply_sequence_shards(part, *dims.sequence_group())
         if d.ep > 1:
             expert_units += apply_ep(part, dims["ep"])
         ac = activation_checkpoint

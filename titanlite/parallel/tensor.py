@@ -12,7 +12,6 @@ import logging
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import (
@@ -34,6 +33,7 @@ from torch.distributed.tensor.parallel import (
 
 from titanlite.models.spec import ModelSpec, TPStyle
 from titanlite.parallel.ddp_support import local_tensor
+from titanlite.parallel.sequence_shards import SequenceShardGroup
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class LocalTokens(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         module.register_forward_pre_hook(_local_inputs)
-        module.sequence_shards = _SequenceShards(device_mesh.get_group(), device_mesh.size())
+        module.sequence_shards = SequenceShardGroup(device_mesh.get_group(), device_mesh.size())
         return module
 
 
@@ -64,17 +64,6 @@ class HeadParameters(ParallelStyle):
                 mod.register_parameter(key, nn.Parameter(shard, param.requires_grad))
 
         return distribute_module(module, device_mesh, partition)
-
-
-class _SequenceShards:
-    """The TP ranks that hold the other shards of this rank's sequences."""
-
-    def __init__(self, group: dist.ProcessGroup, degree: int) -> None:
-        self.group, self.degree = group, degree
-
-    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(tensor, group=self.group)
-        return tensor
 
 
 class Latent(ParallelStyle):

@@ -16,6 +16,9 @@ Balancing, both optional:
   ``f_e`` the share of the sequence's token slots routed to expert e (times the number of
   experts over top_k, so an even load gives 1 per expert) and ``P_e`` the mean normalized
   score of e. Being per sequence it does not depend on how the batch is split over ranks;
+  where a sequence is split (sequence shards under TP, chunks under CP) ``f_e`` is summed over
+  its shards and each rank's term holds its own tokens' part of ``P_e``, so the ranks' terms
+  add up to the whole sequence's loss;
 - the auxiliary-loss-free bias update (DeepSeek-V3): a per-expert bias added to the scores
   for choosing experts only (not for weighting them), moved after every step by
   ``rate * sign(mean load - load)`` from the global token counts.
@@ -106,9 +109,9 @@ class MoE(nn.Module):
         self.layer_id = 0
         """The block this layer belongs to (set by the model), to name its metrics."""
         self.sequence_shards: SequenceShards | None = None
-        """Set when tensor parallelism hands this layer one shard of each sequence (every
-        rank routes its own tokens): the balancing loss then takes its per-sequence expert
-        shares over the whole sequence, summed over the shards."""
+        """Set when tensor or context parallelism hands this layer one shard of each
+        sequence (every rank routes its own tokens): the balancing loss then takes its
+        per-sequence expert shares over the whole sequence, summed over the shards."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seq, dim = x.shape

@@ -65,7 +65,7 @@ def flops_per_token(args: Qwen35Args, seq_len: int) -> int:
     keys, values = args.linear_k_heads * args.linear_k_dim, args.linear_v_heads * args.linear_v_dim
     attn = args.dim * args.head_dim * (args.n_heads * 3 + args.kv_heads * 2)
     delta = args.dim * (2 * keys + 3 * values + 2 * args.linear_v_heads)
-    matmul = full * attn + linear * delta + args.n_layers * 3 * args.dim * args.hidden_dim
+    matmul = full * attn + linear * delta + args.n_layers * 3 * args.dim * args.ffn_hidden_dim
     matmul += args.vocab_size * args.dim
     rule = args.linear_v_heads * (
         3 * args.linear_k_dim * args.linear_v_dim

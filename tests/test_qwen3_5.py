@@ -19,8 +19,8 @@ from titanlite.models import get
 from titanlite.models.init import init_parameters
 from titanlite.models.layers import count_params
 from titanlite.models.qwen3_5.args import QWEN35_VOCAB, Qwen35Args
-from titanlite.models.qwen3_5.hf import from_hf_config, to_hf_config
 from titanlite.models.qwen3_5.model import HybridDecoder, ShortConv
+from titanlite.models.qwen3_5_moe.args import Qwen35MoeArgs
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
@@ -35,22 +35,25 @@ pytestmark = [
 ]
 
 
-def tiny_args(**changes: object) -> Qwen35Args:
+def tiny_args(family: str = "qwen3_5", **changes: object) -> Qwen35Args:
     base: dict = dict(
         dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=96,
         linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=12, chunk_size=8,
         vocab_size=4096, max_seq_len=128, tie_embeddings=True, rope_theta=10_000.0,
     )  # fmt: skip
-    return Qwen35Args(**(base | changes))
+    if family == "qwen3_5_moe":  # 8 experts of width 32, top-2, a gated shared expert
+        base |= dict(hidden_dim=0, num_experts=8, top_k=2, moe_hidden_dim=32)
+    return get(family).args_cls(**(base | changes))
 
 
 def tiny_model(args: Qwen35Args, seed: int = 0) -> HybridDecoder:
     model = HybridDecoder(args)
-    init_parameters(model, lambda name: QWEN35.init_rule(args, name), seed)
+    spec = get("qwen3_5_moe" if isinstance(args, Qwen35MoeArgs) else "qwen3_5")
+    init_parameters(model, lambda name: spec.init_rule(args, name), seed)
     gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():  # every norm and decay visibly off its start, so mistakes show
+    with torch.no_grad():  # every norm, decay and gate visibly off its start: mistakes show
         for name, p in model.named_parameters():
-            if name.endswith(("norm.weight", "A_log", "dt_bias")):
+            if name.endswith(("norm.weight", "A_log", "dt_bias", "shared_gate.weight")):
                 p.copy_(torch.rand(p.shape, generator=gen) - 0.5)
             elif name.endswith(("wq.weight", "wk.weight")):
                 p.mul_(20)
@@ -100,24 +103,39 @@ def test_documents_are_independent() -> None:
     torch.testing.assert_close(packed[:, 7:], alone, rtol=1e-5, atol=1e-5)
 
 
-def test_config_round_trip() -> None:
-    args = tiny_args(tie_embeddings=False)
-    assert from_hf_config(to_hf_config(args)) == dataclasses.replace(args, chunk_size=64)
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_config_round_trip(family: str) -> None:
+    args = tiny_args(family, tie_embeddings=False)
+    adapter = get(family).hf_adapter()
+    assert adapter.from_hf_config(adapter.to_hf_config(args)) == dataclasses.replace(
+        args, chunk_size=64
+    )
 
 
 @pytest.mark.slow
-def test_export_import_through_transformers_gives_equal_logits(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("family", "hf_class"), [("qwen3_5", "Qwen3_5ForCausalLM"), ("qwen3_5_moe", "Qwen3_5MoeForCausalLM")]
+)  # fmt: skip
+def test_export_import_through_transformers_gives_equal_logits(
+    tmp_path: Path, family: str, hf_class: str
+) -> None:
+    """The MoE flavor also routes the same experts: its router is sharpened so that top-2
+    choices are clear, and logits then differ only by float rounding."""
     transformers = pytest.importorskip("transformers")
-    model = tiny_model(tiny_args(tie_embeddings=False), seed=1)
+    model = tiny_model(tiny_args(family, tie_embeddings=False), seed=1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("router.weight"):
+                p.mul_(50)
     ckpt = write_checkpoint(tmp_path / "step-3", model)
     (ckpt / "titanlite.json").write_text(
-        (ckpt / "titanlite.json").read_text().replace('"qwen3"', '"qwen3_5"')
+        (ckpt / "titanlite.json").read_text().replace('"qwen3"', f'"{family}"')
     )
     out = tmp_path / "hf"
     assert convert_to_hf.main([str(ckpt), str(out)]) == 0
     config = json.loads((out / "config.json").read_text())
     assert config["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
-    hf = transformers.Qwen3_5ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    hf = getattr(transformers, hf_class).from_pretrained(out, dtype=torch.float32).eval()
     x = torch.randint(4, 4096, (2, 21), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours, theirs = model(x), hf(x).logits.float()
@@ -125,7 +143,7 @@ def test_export_import_through_transformers_gives_equal_logits(tmp_path: Path) -
     assert (ours - theirs).abs().max().item() <= 1e-5 * scale
     assert convert_from_hf.main([str(out), str(tmp_path / "back")]) == 0
     back = load_checkpoint_model(tmp_path / "back")
-    assert back.spec.name == "qwen3_5"
+    assert back.spec.name == family
     with torch.no_grad():
         assert torch.equal(back.model(x), ours)
 

@@ -159,15 +159,30 @@ PARITY_MODEL = (
 )  # fmt: skip
 
 
+# The MoE flavor's parity model: the same blocks with 4 experts (top-2) and a gated shared
+# expert each, so that ep 2 puts two experts on each rank.
+PARITY_MOE_MODEL = (
+    *PARITY_MODEL[: PARITY_MODEL.index("--model.hidden_dim")],
+    *PARITY_MODEL[PARITY_MODEL.index("--model.hidden_dim") + 2 :],
+    "--model.name", "qwen3_5_moe", "--model.num_experts", "4", "--model.top_k", "2",
+    "--model.moe_hidden_dim", "32",
+)  # fmt: skip
+
+
 def parity_run(
-    tmp_path_factory: pytest.TempPathFactory, layout: Any, pp: int = 1, extra: tuple = ()
+    tmp_path_factory: pytest.TempPathFactory,
+    layout: Any,
+    *,
+    pp: int = 1,
+    extra: tuple = (),
+    model: tuple = PARITY_MODEL,
 ) -> tuple[dict, str]:
-    """Curves (loss, grad norm per step) and rank 0's log of the parity model on ``layout``
-    (with ``pp`` pipeline stages, one sequence per micro-batch)."""
+    """Curves (loss, grad norm per step) and rank 0's log of ``model`` on ``layout`` (with
+    ``pp`` pipeline stages, one sequence per micro-batch)."""
     from test_parity import COMMON, METRICS, STEPS
 
     folder = tmp_path_factory.mktemp("qwen3_5")
-    argv = [*PARITY_MODEL, *COMMON, "--job.dump_folder", str(folder), *layout.args(), *extra]
+    argv = [*model, *COMMON, "--job.dump_folder", str(folder), *layout.args(), *extra]
     if pp > 1:
         argv += ["--parallelism.pipeline_parallel_degree", str(pp),
                  "--parallelism.pipeline_parallel_microbatch_size", "1"]  # fmt: skip
@@ -202,7 +217,7 @@ def test_parallel_layout_matches_one_process(
     degrees = {k: int(v) for k, v in (part.split("=") for part in layout.split(","))}
     pp = degrees.pop("pp", 1)
     parallel = Layout(**degrees)
-    curves, output = parity_run(tmp_path_factory, parallel, pp)
+    curves, output = parity_run(tmp_path_factory, parallel, pp=pp)
     assert_parity(f"qwen3_5 {layout}", parity_baseline, curves)
     print(f"qwen3_5 {layout}: max relative difference {MEASURED[f'qwen3_5 {layout}']}")
     if parallel.cp > 1:
@@ -225,3 +240,17 @@ def test_document_mask_under_context_parallelism_matches_one_process(
     cp2, _ = parity_run(tmp_path_factory, Layout(cp=2), extra=extra)
     assert_parity("qwen3_5 cp=2 document mask", one, cp2)
     print(f"qwen3_5 cp=2 document mask: {MEASURED['qwen3_5 cp=2 document mask']}")
+
+
+@pytest.mark.slow
+def test_moe_flavor_at_ep_2_matches_one_process(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """qwen3_5_moe (fp32, 10 steps, aux loss on): expert parallelism 2 within dp_shard 2, each
+    rank holding 2 of the 4 experts of every block, trains like one process."""
+    from test_parity import MEASURED, Layout, assert_parity
+
+    one, _ = parity_run(tmp_path_factory, Layout(), model=PARITY_MOE_MODEL)
+    ep = ("--parallelism.expert_parallel_degree", "2")
+    ep2, output = parity_run(tmp_path_factory, Layout(shard=2), extra=ep, model=PARITY_MOE_MODEL)
+    assert "the experts of 4 layers split over ep=2 ranks" in output
+    assert_parity("qwen3_5_moe ep=2", one, ep2)
+    print(f"qwen3_5_moe ep=2: max relative difference {MEASURED['qwen3_5_moe ep=2']}")

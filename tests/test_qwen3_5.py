@@ -73,6 +73,22 @@ def test_published_parameter_counts(flavor: str) -> None:
     assert [args.is_full_attention(i) for i in range(8)] == [False, False, False, True] * 2
 
 
+def test_decays_start_spread_per_head_as_published() -> None:
+    """A in (0, 16) and dt in [0.001, 0.1] (softplus of dt_bias with a = 0), different in
+    every head and layer, rather than one constant everywhere."""
+    args = tiny_args(linear_v_heads=16, linear_k_heads=4)
+    model = HybridDecoder(args)
+    init_parameters(model, lambda name: QWEN35.init_rule(args, name), 0)
+    decays = [
+        layer.linear_attn.decay for layer in model.layers.values() if hasattr(layer, "linear_attn")
+    ]
+    a = torch.stack([d.A_log.detach() for d in decays]).exp()
+    dt = torch.nn.functional.softplus(torch.stack([d.dt_bias.detach() for d in decays]))
+    assert 0 < a.min() and a.max() < 16 and a.flatten().unique().numel() == a.numel()
+    assert 0.001 * (1 - 1e-5) <= dt.min() and dt.max() <= 0.1 * (1 + 1e-5)
+    assert dt.flatten().unique().numel() == dt.numel()
+
+
 def test_convolution_restarts_at_documents() -> None:
     """A tap never reaches into the document before; within one document the taps equal a
     causal depthwise convolution."""

@@ -73,6 +73,48 @@ def test_published_parameter_counts(flavor: str) -> None:
     assert [args.is_full_attention(i) for i in range(8)] == [False, False, False, True] * 2
 
 
+# The text_config of the published config.json files (Qwen/Qwen3.5-35B-A3B, -397B-A17B),
+# and the vision encoder's output width (the encoder itself titanlite does not build).
+MOE_CONFIGS = {
+    "35B-A3B": dict(hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
+                    linear_num_value_heads=32, num_experts=256, num_experts_per_tok=8,
+                    moe_intermediate_size=512, shared_expert_intermediate_size=512),
+    "397B-A17B": dict(hidden_size=4096, num_hidden_layers=60, num_attention_heads=32,
+                      linear_num_value_heads=64, num_experts=512, num_experts_per_tok=10,
+                      moe_intermediate_size=1024, shared_expert_intermediate_size=1024),
+}  # fmt: skip
+# The model cards: "35B in total and 3B activated", "397B in total and 17B activated".
+MOE_CARDS = {"35B-A3B": (35.0, 3), "397B-A17B": (397.0, 17)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flavor", sorted(MOE_CONFIGS))
+def test_moe_parameter_counts_equal_transformers_and_the_model_cards(flavor: str) -> None:
+    """Total parameters equal transformers' Qwen3_5MoeForCausalLM of the published config;
+    with the vision encoder the cards also count, within 0.5% of the card's total. The
+    cards round the active count to whole billions."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
+
+    spec = get("qwen3_5_moe")
+    args = spec.make_args(flavor, QWEN35_VOCAB, 4096, {})
+    common = dict(num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+                  vocab_size=QWEN35_VOCAB, tie_word_embeddings=False)  # fmt: skip
+    text = transformers.Qwen3_5MoeTextConfig(**common, **MOE_CONFIGS[flavor])
+    vision = transformers.Qwen3_5MoeVisionConfig(out_hidden_size=text.hidden_size)
+    with torch.device("meta"):
+        total = count_params(spec.build(args))
+        theirs = count_params(transformers.Qwen3_5MoeForCausalLM(text))
+        encoder = count_params(hf_moe.Qwen3_5MoeVisionModel._from_config(vision))
+    assert total == theirs
+    card_total, card_active = MOE_CARDS[flavor]
+    assert abs((total + encoder) / 1e9 - card_total) <= 0.005 * card_total, total + encoder
+    active = spec.active_params(args, total)
+    assert round(active / 1e9) == card_active, active
+    experts = args.n_layers * args.num_experts * 3 * args.dim * args.moe_hidden_dim
+    assert active == total - experts * (args.num_experts - args.top_k) // args.num_experts
+
+
 def test_decays_start_spread_per_head_as_published() -> None:
     """A in (0, 16) and dt in [0.001, 0.1] (softplus of dt_bias with a = 0), different in
     every head and layer, rather than one constant everywhere."""

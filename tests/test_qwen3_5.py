@@ -14,6 +14,7 @@ import torch
 import train_scenarios
 from pool import get_pool
 
+from titanlite.errors import UserError
 from titanlite.interop.checkpoint_model import load_checkpoint_model
 from titanlite.models import get
 from titanlite.models.init import init_parameters
@@ -168,6 +169,30 @@ def test_config_round_trip(family: str) -> None:
     assert adapter.from_hf_config(adapter.to_hf_config(args)) == dataclasses.replace(
         args, chunk_size=64
     )
+
+
+def test_moe_import_takes_the_fused_expert_layout_and_names_strays() -> None:
+    """transformers 5 keeps (and some folders store) each block's experts fused:
+    gate_up_proj [experts, 2 x hidden, dim] and down_proj [experts, dim, hidden]; the import
+    reads them as the per-expert matrices an export writes. A tensor no block has is named."""
+    args = tiny_args("qwen3_5_moe", tie_embeddings=False)
+    adapter = get("qwen3_5_moe").hf_adapter()
+    state = tiny_model(args).state_dict()
+    hf = adapter.to_hf_state_dict(state, args)
+    for layer in range(args.n_layers):
+        prefix = f"model.layers.{layer}.mlp.experts."
+        per = {p: torch.stack([hf.pop(f"{prefix}{e}.{p}.weight") for e in range(8)])
+               for p in ("gate_proj", "up_proj", "down_proj")}  # fmt: skip
+        hf[prefix + "gate_up_proj"] = torch.cat([per["gate_proj"], per["up_proj"]], dim=1)
+        hf[prefix + "down_proj"] = per["down_proj"]
+    back = adapter.from_hf_state_dict(hf, args)
+    assert sorted(back) == sorted(state)
+    assert all(torch.equal(back[k], state[k]) for k in state)
+    hf["model.layers.0.mlp.extra.weight"] = torch.zeros(1)
+    with pytest.raises(
+        UserError, match="unexpected tensors for a Qwen3.5-MoE model: model.layers.0.mlp.extra"
+    ):
+        adapter.from_hf_state_dict(hf, args)
 
 
 @pytest.mark.slow

@@ -175,6 +175,34 @@ def test_moe_dry_run_sizes_qwen3_235b_on_256_ranks_under_expert_parallelism(
     assert figures[16]["sent"] * 14 == figures[8]["sent"] * 15, figures  # 15/16 vs 7/8 leave
 
 
+def test_moe_dry_run_sizes_qwen3_5_397b_a17b(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Qwen3.5-397B-A17B (60 hybrid blocks of 512 experts, top-10, dim 4096, expert width
+    1024, a gated shared expert) on 256 ranks at ep 16, bf16, 4,096-token sequences: the
+    parameters are the published model's (tests/test_qwen3_5.py checks them against
+    transformers), each rank keeps two experts' worth per block, and the all-to-all is the
+    formula's."""
+    from titanlite import preflight
+
+    layers, dim, top_k, tokens = 60, 4096, 10, 4096
+    argv = [
+        MOE_CONFIG, "--job.dry_run", "--model.name", "qwen3_5_moe", "--model.flavor",
+        "397B-A17B", "--model.vocab_size", "248320", "--training.seq_len", str(tokens),
+        "--training.local_batch_size", "1", "--training.mixed_precision_param", "bfloat16",
+        "--parallelism.expert_parallel_degree", "16",
+    ]  # fmt: skip
+    monkeypatch.setenv("WORLD_SIZE", "256")
+    assert preflight.main(["--job.config_file", *argv]) == preflight.EXIT_NO_LAUNCH
+    out = capsys.readouterr().out
+    assert "dry run: qwen3_5_moe/397B-A17B on 256 ranks" in out
+    assert "parameters      396,346,350,336 (396.35 B)" in out, out
+    assert "512 experts split 32 per ep rank (ep=16)" in out, out
+    assert "2.00 experts' worth here per layer (an even share: 2.00)" in out, out
+    sent = 4 * layers * (tokens * top_k * 15 // 16) * dim * 2
+    assert f"({sent:,} bytes) sent per step per rank" in out, out
+
+
 def test_moe_dry_run_all_to_all_bytes_follow_the_formula() -> None:
     """The debug MoE (4 layers of 8 experts, top-2, dim 256) on 8 ranks at ep 4, float32,
     2 micro-batches of 2 x 256 tokens per step, full activation checkpointing (each forward's

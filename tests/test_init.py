@@ -116,6 +116,27 @@ def test_fill_equals_public_pipeline() -> None:
     assert torch.equal(got, expected)
 
 
+def test_decay_rules_draw_per_head_values_in_the_published_ranges() -> None:
+    """Gated DeltaNet's A_log = log A, A uniform in (0, 16), and dt_bias = softplus^-1(dt),
+    dt log-uniform in [0.001, 0.1]: per element from its own uniform (so any shard of the
+    heads gets the same values), spread over the range rather than constant."""
+    heads = 4096
+    key_a, key_dt = stream_key(5, "a.A_log"), stream_key(5, "a.dt_bias")
+    a_log = full_value(InitRule.log_uniform(0.0, 16.0), 5, "a.A_log", (heads,))
+    u = uniform(key_a, torch.arange(heads))
+    assert torch.equal(a_log, (16 * u).log().float())
+    assert a_log.exp().max() < 16 and 7.5 < a_log.exp().mean() < 8.5
+    dt_bias = full_value(InitRule.softplus_inverse(0.001, 0.1), 5, "a.dt_bias", (heads,))
+    dt = torch.nn.functional.softplus(dt_bias.double())
+    log_dt = math.log(0.001) + uniform(key_dt, torch.arange(heads)) * math.log(100)
+    torch.testing.assert_close(dt.log(), log_dt, rtol=0, atol=1e-6)
+    assert dt.min() >= 0.001 * (1 - 1e-6) and dt.max() <= 0.1 * (1 + 1e-6)
+    assert abs(dt.log().mean() - math.log(0.01)) < 0.1  # the middle of the log range
+    shards = [block((1024,), (i * 1024,), (heads,), rule=InitRule.softplus_inverse(0.001, 0.1),
+                    seed=5, name="a.dt_bias") for i in range(4)]  # fmt: skip
+    assert torch.equal(torch.cat(shards), dt_bias)
+
+
 # --- the hash ---------------------------------------------------------------------------------
 
 

@@ -38,7 +38,10 @@ def moe_args(**changes: object) -> Qwen3MoeArgs:
 
 def layer(seed: int = 0, **changes: object) -> MoE:
     torch.manual_seed(seed)
-    moe = MoE(32, moe_args(**changes))
+    args = moe_args(**{k: v for k, v in changes.items() if k != "shared_expert_gate"})
+    # The gate is a field of the families that have it (qwen3_5_moe), read by the layer.
+    args.shared_expert_gate = changes.get("shared_expert_gate", False)  # type: ignore[attr-defined]
+    moe = MoE(32, args)
     with torch.no_grad():
         for p in moe.parameters():
             p.normal_(0, 0.3)
@@ -66,7 +69,12 @@ def reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
             h = F.silu(flat[t] @ ex.w1[e]) * (flat[t] @ ex.w3[e])
             out[t] += weight * (h @ ex.w2[e])
         if moe.shared is not None:
-            out[t] += moe.shared(flat[t])
+            gate = (
+                1.0
+                if moe.shared_gate is None
+                else torch.sigmoid(moe.shared_gate.weight[0] @ flat[t])
+            )
+            out[t] += gate * moe.shared(flat[t])
     return out.view_as(x)
 
 
@@ -77,6 +85,7 @@ def reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
         {"score_func": "sigmoid"},
         {"norm_topk": False},
         {"shared_experts": 2},
+        {"shared_experts": 1, "shared_expert_gate": True},
         {
             "score_func": "sigmoid",
             "n_groups": 3,
@@ -86,7 +95,7 @@ def reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
             "shared_experts": 1,
         },
     ],
-    ids=["softmax", "sigmoid", "no-renorm", "shared", "deepseek-groups"],
+    ids=["softmax", "sigmoid", "no-renorm", "shared", "shared-gated", "deepseek-groups"],
 )
 def test_layer_matches_the_per_token_reference(changes: dict) -> None:
     moe = layer(**changes)

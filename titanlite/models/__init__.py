@@ -13,11 +13,13 @@ from titanlite.models.gpt_oss import SPEC as GPT_OSS
 from titanlite.models.llama import SPEC as LLAMA3
 from titanlite.models.qwen3 import SPEC as QWEN3
 from titanlite.models.qwen3_5 import SPEC as QWEN3_5
+from titanlite.models.qwen3_5_moe import SPEC as QWEN3_5_MOE
 from titanlite.models.qwen3_moe import SPEC as QWEN3_MOE
 from titanlite.models.spec import InitRule, ModelSpec
 
 REGISTRY: dict[str, ModelSpec] = {
-    spec.name: spec for spec in (LLAMA3, QWEN3, QWEN3_MOE, DEEPSEEK_V3, QWEN3_5, GPT_OSS)
+    spec.name: spec
+    for spec in (LLAMA3, QWEN3, QWEN3_MOE, DEEPSEEK_V3, QWEN3_5, QWEN3_5_MOE, GPT_OSS)
 }
 
 __all__ = ["REGISTRY", "InitRule", "ModelSpec", "get"]

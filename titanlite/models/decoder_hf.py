@@ -37,6 +37,9 @@ LAYER_NAMES = {  # titanlite name within a layer -> HF name within a layer
 
 Transform = Callable[[str, torch.Tensor], torch.Tensor]
 
+EXPERT_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+"""titanlite's [experts, in, out] weights -> the projection of HF's per-expert [out, in] ones."""
+
 
 def hf_name(name: str, layer_names: Mapping[str, str]) -> str:
     """The HF name of a titanlite parameter name (KeyError for one HF has no place for)."""
@@ -190,3 +193,32 @@ def refuse_unsupported(
         args.check()
     except ValueError as e:
         raise UserError(f"config.json: {e}") from None
+
+
+def experts_to_hf(prefix: str, name: str, stacked: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One titanlite expert weight ``name`` (w1, w3 or w2: [experts, in, out]) as HF's
+    per-expert matrices ``{prefix}{e}.{projection}.weight`` ([out, in]): the layout every
+    transformers version reads."""
+    projection = EXPERT_PROJECTIONS[name]
+    return {f"{prefix}{e}.{projection}.weight": m.t() for e, m in enumerate(stacked.detach())}
+
+
+def experts_from_hf(
+    given: Mapping[str, torch.Tensor], take: Callable[[str], torch.Tensor], *, prefix: str,
+    num_experts: int,
+) -> dict[str, torch.Tensor]:  # fmt: skip
+    """``feed_forward.experts.w1/w3/w2`` from HF's experts under ``prefix``: per-expert
+    matrices, or the fused layout transformers 5 keeps in memory (``gate_up_proj``
+    [experts, 2 x hidden, dim] and ``down_proj``). ``take(name)`` reads (and marks used) one."""
+    out = {}
+    for weight, proj in EXPERT_PROJECTIONS.items():
+        if prefix + "gate_up_proj" in given:
+            if weight == "w2":
+                stacked = take(prefix + "down_proj")
+            else:
+                gate, up = take(prefix + "gate_up_proj").chunk(2, dim=1)
+                stacked = gate if weight == "w1" else up
+        else:
+            stacked = torch.stack([take(f"{prefix}{e}.{proj}.weight") for e in range(num_experts)])
+        out[f"feed_forward.experts.{weight}"] = stacked.transpose(1, 2)
+    return out

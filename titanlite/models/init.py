@@ -183,8 +183,16 @@ def _fill_block_(
 
 
 def _values(key: int, idx: torch.Tensor, rule: InitRule) -> torch.Tensor:
-    """Canonical float32 values for global indices ``idx`` (clobbered)."""
-    return _trunc_normal_(_uniform_(key, idx), rule.std).to(torch.float32)
+    """Canonical float32 values for global indices ``idx`` (clobbered): the rule's map of
+    one uniform per element, in float64."""
+    u = _uniform_(key, idx)
+    if rule.kind == "log_uniform":  # log A, A uniform in (low, high): u is never 0
+        return u.mul_(rule.high - rule.low).add_(rule.low).log_().to(torch.float32)
+    if rule.kind == "softplus_inverse":  # dt log-uniform in [low, high]; softplus(b) = dt
+        span = math.log(rule.high) - math.log(rule.low)
+        dt = u.mul_(span).add_(math.log(rule.low)).exp_()
+        return (dt + torch.log(-torch.expm1(-dt))).to(torch.float32)
+    return _trunc_normal_(u, rule.std).to(torch.float32)
 
 
 def fill_local_(
@@ -220,10 +228,10 @@ def fill_local_(
             )
     if rule.kind == "constant":
         return out.fill_(rule.value)
-    if rule.kind != "trunc_normal":
+    if rule.kind not in ("trunc_normal", "log_uniform", "softplus_inverse"):
         raise ValueError(f"unknown init rule kind {rule.kind!r}")
     if not out.is_floating_point():
-        raise TypeError(f"trunc_normal init needs a float tensor, got {out.dtype}")
+        raise TypeError(f"{rule.kind} init needs a float tensor, got {out.dtype}")
     if out.numel() == 0:
         return out
     strides = [1] * len(global_shape)

@@ -22,15 +22,20 @@ from typing import Any, Literal
 
 @dataclass(frozen=True)
 class InitRule:
-    """How one parameter starts: a normal distribution truncated at +-3 std, or a constant.
+    """How one parameter starts: a normal distribution truncated at +-3 std, a constant, or
+    one of two per-element draws of state-space decays (Mamba's, Gated DeltaNet's):
+    ``log_uniform`` is log(A) for A uniform in (low, high); ``softplus_inverse`` is the
+    inverse softplus of a dt drawn log-uniformly in [low, high] (a bias whose softplus is dt).
 
     The values themselves are a pure function of (seed, parameter name, element index): see
     ``titanlite.models.init``. Every layout therefore starts from bit-identical weights.
     """
 
-    kind: Literal["trunc_normal", "constant"]
+    kind: Literal["trunc_normal", "constant", "log_uniform", "softplus_inverse"]
     std: float = 0.0
     value: float = 0.0
+    low: float = 0.0
+    high: float = 0.0
 
     @staticmethod
     def normal(std: float) -> InitRule:
@@ -39,6 +44,14 @@ class InitRule:
     @staticmethod
     def constant(value: float) -> InitRule:
         return InitRule("constant", value=value)
+
+    @staticmethod
+    def log_uniform(low: float, high: float) -> InitRule:
+        return InitRule("log_uniform", low=low, high=high)
+
+    @staticmethod
+    def softplus_inverse(low: float, high: float) -> InitRule:
+        return InitRule("softplus_inverse", low=low, high=high)
 
 
 # Tensor-parallel styles a plan may name (titanlite.parallel.tensor turns them into torch's

@@ -170,7 +170,10 @@ def from_hf_state_dict(
         out[ours + "attention.wkv_a.weight"] = latent
         out[ours + "attention.wk_rope.weight"] = rope
         if layer >= args.first_k_dense:
-            for name, tensor in _experts(given, take, args, layer).items():
+            experts = decoder_hf.experts_from_hf(
+                given, take, prefix=f"{prefix}mlp.experts.", num_experts=args.num_experts
+            )
+            for name, tensor in experts.items():
                 out[ours + name] = tensor
     for d in range(args.mtp_layers):
         prefix = f"model.layers.{args.n_layers + d}."
@@ -182,26 +185,6 @@ def from_hf_state_dict(
     stray = sorted(set(given) - used)
     if stray:
         raise UserError(f"unexpected tensors for a DeepSeek-V3 model: {', '.join(stray[:5])}")
-    return out
-
-
-def _experts(
-    given: Mapping[str, torch.Tensor], take: Any, args: DeepseekV3Args, layer: int
-) -> dict[str, torch.Tensor]:
-    prefix = f"model.layers.{layer}.mlp.experts."
-    out = {}
-    for weight, proj in PROJECTIONS.items():
-        if prefix + "gate_up_proj" in given:  # transformers 5's in-memory layout
-            if weight == "w2":
-                stacked = take(prefix + "down_proj")
-            else:
-                gate, up = take(prefix + "gate_up_proj").chunk(2, dim=1)
-                stacked = gate if weight == "w1" else up
-        else:
-            stacked = torch.stack(
-                [take(f"{prefix}{e}.{proj}.weight") for e in range(args.num_experts)]
-            )
-        out[f"feed_forward.experts.{weight}"] = stacked.transpose(1, 2)
     return out
 
 

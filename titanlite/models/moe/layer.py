@@ -3,7 +3,9 @@
 A linear router scores every expert for every token (softmax over the experts, or a sigmoid
 each), the token goes to its ``top_k`` experts, and their outputs are summed with the scores
 as weights (renormalized to sum to one with ``norm_topk``, then times ``route_scale``). Shared
-experts, if any, see every token. The experts are
+experts, if any, see every token; with ``shared_expert_gate`` (Qwen3-Next, Qwen3.5) their
+output is scaled per token by sigmoid(x . w), w a learned vector of the model's width. The
+experts are
 ``titanlite.models.moe.experts.GroupedExperts``.
 
 Group-limited routing (DeepSeek-V3's ``n_groups`` / ``topk_groups``): the experts form
@@ -94,6 +96,11 @@ class MoE(nn.Module):
             if args.shared_experts
             else None
         )
+        self.shared_gate = (
+            nn.Linear(dim, 1, bias=False)
+            if self.shared is not None and getattr(args, "shared_expert_gate", False)
+            else None
+        )
         # Routing bias of the auxiliary-loss-free balancing: changed by MoETracker, not by
         # the optimizer; persistent, so a resume continues with it.
         self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32))
@@ -153,7 +160,10 @@ class MoE(nn.Module):
         combined[kept] = outputs * weights.reshape(-1)[kept, None].to(outputs.dtype)
         out = combined.view(-1, self.top_k, dim).sum(1)
         if self.shared is not None:
-            out = out + self.shared(flat)
+            shared = self.shared(flat)
+            if self.shared_gate is not None:
+                shared = shared * torch.sigmoid(self.shared_gate(flat))
+            out = out + shared
 
         aux = self._aux(scores, chosen, bsz, seq)
         router_z = (

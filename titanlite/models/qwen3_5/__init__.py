@@ -38,11 +38,17 @@ _RESIDUAL_OUTPUTS = ("attention.wo.weight", "linear_attn.wo.weight", "feed_forwa
 
 def init_rule(args: Qwen35Args, name: str) -> InitRule:
     """Zero-centered norms start at zero (a scale of one); the DeltaNet output norm at one;
-    the decay at A = 1 and dt_bias = 1 in every head; the convolution as a depthwise
+    the decay per value head as the published model's: A uniform in (0, 16) (A_log = log A)
+    and dt_bias the inverse softplus of a dt log-uniform in [0.001, 0.1], so that heads start
+    with decay rates spread over orders of magnitude; the convolution as a depthwise
     convolution's default (the variance of U(-1/sqrt(k), 1/sqrt(k))); the rest as Qwen3."""
-    if name.endswith("linear_attn.norm.weight") or name.endswith("decay.dt_bias"):
+    if name.endswith("decay.A_log"):
+        return InitRule.log_uniform(0.0, 16.0)
+    if name.endswith("decay.dt_bias"):
+        return InitRule.softplus_inverse(0.001, 0.1)
+    if name.endswith("linear_attn.norm.weight"):
         return InitRule.constant(1.0)
-    if name.endswith(("norm.weight", "decay.A_log")):
+    if name.endswith("norm.weight"):
         return InitRule.constant(0.0)
     if ".linear_attn.conv." in name:
         return InitRule.normal((3 * args.conv_kernel) ** -0.5)
@@ -65,7 +71,7 @@ def flops_per_token(args: Qwen35Args, seq_len: int) -> int:
     keys, values = args.linear_k_heads * args.linear_k_dim, args.linear_v_heads * args.linear_v_dim
     attn = args.dim * args.head_dim * (args.n_heads * 3 + args.kv_heads * 2)
     delta = args.dim * (2 * keys + 3 * values + 2 * args.linear_v_heads)
-    matmul = full * attn + linear * delta + args.n_layers * 3 * args.dim * args.hidden_dim
+    matmul = full * attn + linear * delta + args.n_layers * 3 * args.dim * args.ffn_hidden_dim
     matmul += args.vocab_size * args.dim
     rule = args.linear_v_heads * (
         3 * args.linear_k_dim * args.linear_v_dim

@@ -56,6 +56,12 @@ class Qwen35Args:
     chunk_size: int = 64
     """Tokens the chunked delta rule processes at once (a speed setting: results are equal)."""
 
+    POSITIVE: ClassVar[tuple[str, ...]] = (
+        "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim",
+        "full_attention_interval", "linear_k_heads", "linear_v_heads", "linear_k_dim",
+        "linear_v_dim", "conv_kernel", "chunk_size",
+    )  # fmt: skip
+    """The fields ``check`` wants at least 1."""
     qk_norm: ClassVar[bool] = True  # zero-centered RMSNorm of each query and key head
     rope_style: ClassVar[str] = "halves"  # rotate_half on the rotated part, as Hugging Face
     attention: ClassVar[str] = "sdpa"  # the full-attention layers' core
@@ -79,9 +85,7 @@ class Qwen35Args:
 
     def check(self) -> None:
         """Raise ValueError naming the field for shapes the architecture cannot take."""
-        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim",
-                     "full_attention_interval", "linear_k_heads", "linear_v_heads",
-                     "linear_k_dim", "linear_v_dim", "conv_kernel", "chunk_size"):  # fmt: skip
+        for name in self.POSITIVE:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.linear_v_heads % self.linear_k_heads:

@@ -56,7 +56,10 @@ _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 
 
 def _renames(args: Qwen35Args, layer: int) -> dict[str, str]:
-    return FULL if args.is_full_attention(layer) else LINEAR
+    names = FULL if args.is_full_attention(layer) else LINEAR
+    if getattr(args, "num_experts", 0):  # a mixture of experts: the MoE adapter's to name
+        names = {k: v for k, v in names.items() if not k.startswith("feed_forward.")}
+    return names
 
 
 def to_hf_state_dict(
@@ -170,40 +173,46 @@ def to_hf_config(
     }
 
 
-def from_hf_config(config: Mapping[str, Any]) -> Qwen35Args:
-    """Qwen35Args of an HF Qwen3.5 text ``config.json`` (or a multimodal one's
-    ``text_config``); UserError for anything titanlite can't run."""
-    if "text_config" in config:
-        config = {**config["text_config"], "architectures": config.get("architectures")}
-        config["model_type"] = HF_MODEL_TYPE
-    decoder_hf.require_family(config, HF_MODEL_TYPE, HF_ARCHITECTURE)
+def text_config(config: Mapping[str, Any], model_type: str) -> Mapping[str, Any]:
+    """A multimodal ``config.json``'s ``text_config`` as a text model's (else the config)."""
+    if "text_config" not in config:
+        return config
+    return {**config["text_config"], "architectures": config.get("architectures"),
+            "model_type": model_type}  # fmt: skip
+
+
+def hybrid_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The Qwen35Args fields (all but the feed-forward's) of a text ``config.json``;
+    KeyError for a missing one (``decoder_hf.read_fields`` names it)."""
     rope = config.get("rope_parameters") or {}
+    return dict(
+        dim=int(config["hidden_size"]),
+        n_layers=int(config["num_hidden_layers"]),
+        n_heads=int(config["num_attention_heads"]),
+        n_kv_heads=int(config["num_key_value_heads"]),
+        head_dim=int(config["head_dim"]),
+        vocab_size=int(config["vocab_size"]),
+        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=decoder_hf.rope_theta(config, 10_000_000.0),
+        partial_rotary=float(
+            rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))
+        ),
+        max_seq_len=int(config.get("max_position_embeddings", 4096)),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        full_attention_interval=int(config.get("full_attention_interval", 4)),
+        linear_k_heads=int(config["linear_num_key_heads"]),
+        linear_v_heads=int(config["linear_num_value_heads"]),
+        linear_k_dim=int(config["linear_key_head_dim"]),
+        linear_v_dim=int(config["linear_value_head_dim"]),
+        conv_kernel=int(config.get("linear_conv_kernel_dim", 4)),
+    )
 
-    def build() -> Qwen35Args:
-        return Qwen35Args(
-            dim=int(config["hidden_size"]),
-            n_layers=int(config["num_hidden_layers"]),
-            n_heads=int(config["num_attention_heads"]),
-            n_kv_heads=int(config["num_key_value_heads"]),
-            head_dim=int(config["head_dim"]),
-            hidden_dim=int(config["intermediate_size"]),
-            vocab_size=int(config["vocab_size"]),
-            norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope_theta=decoder_hf.rope_theta(config, 10_000_000.0),
-            partial_rotary=float(
-                rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))
-            ),
-            max_seq_len=int(config.get("max_position_embeddings", 4096)),
-            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-            full_attention_interval=int(config.get("full_attention_interval", 4)),
-            linear_k_heads=int(config["linear_num_key_heads"]),
-            linear_v_heads=int(config["linear_num_value_heads"]),
-            linear_k_dim=int(config["linear_key_head_dim"]),
-            linear_v_dim=int(config["linear_value_head_dim"]),
-            conv_kernel=int(config.get("linear_conv_kernel_dim", 4)),
-        )
 
-    args = decoder_hf.read_fields(config, build)
+def refuse_unsupported(
+    config: Mapping[str, Any], args: Qwen35Args, supported: Mapping[str, tuple[Any, Any]]
+) -> None:
+    """UserError for a layer pattern or option titanlite cannot run (besides ``supported``:
+    key -> (the config's value, the one titanlite runs)), then for impossible shapes."""
     pattern = [
         "full_attention" if args.is_full_attention(i) else "linear_attention"
         for i in range(args.n_layers)
@@ -211,6 +220,19 @@ def from_hf_config(config: Mapping[str, Any]) -> Qwen35Args:
     supported = {
         "layer_types": (list(config.get("layer_types") or pattern), pattern),
         "attn_output_gate": (bool(config.get("attn_output_gate", True)), True),
+        **supported,
     }
     decoder_hf.refuse_unsupported(config, supported, args)
+
+
+def from_hf_config(config: Mapping[str, Any]) -> Qwen35Args:
+    """Qwen35Args of an HF Qwen3.5 text ``config.json`` (or a multimodal one's
+    ``text_config``); UserError for anything titanlite can't run."""
+    config = text_config(config, HF_MODEL_TYPE)
+    decoder_hf.require_family(config, HF_MODEL_TYPE, HF_ARCHITECTURE)
+    args = decoder_hf.read_fields(
+        config,
+        lambda: Qwen35Args(**hybrid_fields(config), hidden_dim=int(config["intermediate_size"])),
+    )
+    refuse_unsupported(config, args, {})
     return args

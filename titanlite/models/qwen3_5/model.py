@@ -17,6 +17,7 @@ from torch import nn
 from titanlite.models import attention
 from titanlite.models.interfaces import AttentionLayer, Heads
 from titanlite.models.layers import FeedForward, RMSNorm, apply_rope_halves, rope_tables
+from titanlite.models.moe import MoE
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
@@ -177,7 +178,13 @@ class HybridBlock(nn.Module):
             self.attention.layer_id = layer
         else:
             self.linear_attn = GatedDeltaNet(args)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        # The MoE flavors (titanlite.models.qwen3_5_moe): a mixture of experts in every block.
+        self.feed_forward: nn.Module
+        if getattr(args, "num_experts", 0):
+            self.feed_forward = MoE(args.dim, args)
+            self.feed_forward.layer_id = layer
+        else:
+            self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
         self.attention_norm = OffsetRMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = OffsetRMSNorm(args.dim, args.norm_eps)
 
@@ -224,8 +231,13 @@ class HybridDecoder(nn.Module):
         return self.output(self.norm(h)).float()
 
     def init_buffers(self) -> None:
+        """The RoPE tables on the model's device (after to_empty from meta) and any MoE
+        routing biases at zero (a checkpoint load then overwrites them)."""
         a = self.args
         self.rope = rope_tables(a.rope_dim, a.max_seq_len, a.rope_theta).to(self.rope.device)
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.expert_bias.zero_()
 
 
 def build(args: Any) -> HybridDecoder:

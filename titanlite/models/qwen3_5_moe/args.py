@@ -1,0 +1,104 @@
+"""Qwen3.5-MoE (text) shapes: Qwen35MoeArgs and the flavors (plain Python, no torch).
+
+Qwen3.5's hybrid of Gated DeltaNet and gated full attention (``titanlite.models.qwen3_5``)
+with a mixture of experts in every block instead of the dense SwiGLU: a softmax router, each
+token's top-k experts with their weights renormalized to sum to one, and one shared expert
+whose output a per-token sigmoid gate scales (``titanlite.models.moe``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from titanlite.models.qwen3_5.args import OVERRIDES as DENSE_OVERRIDES
+from titanlite.models.qwen3_5.args import Qwen35Args
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+
+
+@dataclass
+class Qwen35MoeArgs(Qwen35Args):
+    # Qwen3.5-35B-A3B's shapes by default (its config.json's text_config).
+    dim: int = 2048
+    """Hidden size (the width of the residual stream)."""
+    n_layers: int = 40
+    """Number of blocks (linear and full attention together), each with a mixture of experts."""
+    n_heads: int = 16
+    """Query heads of the full-attention layers."""
+    n_kv_heads: int = 2
+    """Key/value heads of the full-attention layers (grouped-query attention)."""
+    hidden_dim: int = 0
+    """Unused: every block's feed-forward is a mixture of experts (moe_hidden_dim)."""
+    linear_v_heads: int = 32
+    """Value heads of the Gated DeltaNet layers (a multiple of linear_k_heads)."""
+    num_experts: int = 256
+    """Routed experts in each block."""
+    top_k: int = 8
+    """Routed experts each token goes to."""
+    moe_hidden_dim: int = 512
+    """Width of each expert's SwiGLU (the shared expert's too)."""
+    shared_experts: int = 1
+    """Experts every token goes through besides its top-k (one SwiGLU of width shared_experts x moe_hidden_dim)."""
+    shared_expert_gate: bool = True
+    """Scale the shared experts' output per token by sigmoid(x . w) (Qwen3-Next and Qwen3.5)."""
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    """How the router scores experts: softmax over all of them, or an independent sigmoid each."""
+    norm_topk: bool = True
+    """Renormalize the chosen experts' weights to sum to one."""
+    aux_loss_coef: float = 0.001
+    """Weight of the sequence-wise load-balancing loss (0 = none)."""
+    bias_update_rate: float = 0.0
+    """Auxiliary-loss-free balancing: after every step each expert's routing bias moves by this much towards an even load (0 = off)."""
+    capacity_factor: float = 0.0
+    """Tokens an expert takes at most, as a multiple of an even share (0 = dropless); tokens over it are dropped and counted."""
+    router_z_loss_coef: float = 0.0
+    """Weight of the router z-loss (ST-MoE; 0 = none)."""
+
+    POSITIVE: ClassVar[tuple[str, ...]] = (
+        *(name for name in Qwen35Args.POSITIVE if name != "hidden_dim"),
+        "num_experts", "top_k", "moe_hidden_dim",
+    )  # fmt: skip
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        """The width a dense SwiGLU of the same active size would have (for FLOPs)."""
+        return self.moe_hidden_dim * (self.top_k + self.shared_experts)
+
+    def check(self) -> None:
+        """Raise ValueError naming the field for shapes the architecture cannot take."""
+        super().check()
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k {self.top_k} exceeds num_experts {self.num_experts}")
+        if self.score_func not in SCORE_FUNCS:
+            raise ValueError(f"score_func must be one of {', '.join(SCORE_FUNCS)}, got "
+                             f"{self.score_func!r}")  # fmt: skip
+        for name in ("shared_experts", "aux_loss_coef", "bias_update_rate", "capacity_factor",
+                     "router_z_loss_coef"):  # fmt: skip
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+# Published shapes: the text_config of Qwen3.5-35B-A3B's and Qwen3.5-397B-A17B's config.json
+# on the Hugging Face Hub, plus a small CPU flavor.
+FLAVORS: dict[str, Qwen35MoeArgs] = {
+    # About 9 M parameters (4 M active) with the shipped 4 K tokenizer: 3 DeltaNet blocks,
+    # 1 full-attention block, 8 experts (top-2) and a gated shared expert in each.
+    "debugmodel": Qwen35MoeArgs(
+        dim=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64, linear_k_heads=4,
+        linear_v_heads=8, linear_k_dim=32, linear_v_dim=32, num_experts=8, top_k=2,
+        moe_hidden_dim=256, tie_embeddings=True, rope_theta=10_000.0,
+    ),
+    "35B-A3B": Qwen35MoeArgs(max_seq_len=262144),
+    "397B-A17B": Qwen35MoeArgs(
+        dim=4096, n_layers=60, n_heads=32, n_kv_heads=2, linear_v_heads=64, num_experts=512,
+        top_k=10, moe_hidden_dim=1024, max_seq_len=262144,
+    ),
+}  # fmt: skip
+
+OVERRIDES = (
+    *(key for key in DENSE_OVERRIDES if key != "hidden_dim"),
+    "num_experts", "top_k", "moe_hidden_dim", "shared_experts", "shared_expert_gate",
+    "score_func", "norm_topk", "aux_loss_coef", "bias_update_rate", "capacity_factor",
+    "router_z_loss_coef",
+)  # fmt: skip

@@ -418,3 +418,14 @@ def test_to_toml_escapes_control_characters(char: str) -> None:
 def test_to_toml_of_a_loaded_file_round_trips() -> None:
     cfg = load_config(["--job.config_file", str(REPO / "train_configs" / "llama3_70b.toml")])
     assert round_trip(cfg) == cfg
+
+
+@pytest.mark.parametrize(
+    ("flavor", "built"), [("debugmodel_moe", "debugmodel"), ("35B-A3B", "35B-A3B")]
+)
+def test_qwen3_5_moe_sizes_named_under_qwen3_5_build_the_moe_family(
+    flavor: str, built: str
+) -> None:
+    cfg = load_config(["--model.name", "qwen3_5", "--model.flavor", flavor])
+    assert (cfg.model.name, cfg.model.flavor) == ("qwen3_5_moe", built)
+    assert load_config(["--model.name", "qwen3_5"]).model.name == "qwen3_5"

@@ -266,9 +266,29 @@ def load_config(argv: list[str]) -> JobConfig:
             setattr(getattr(cfg, section), name, _coerce(raw, tp, f"--{key}", from_cli=True))
     # A key that failed above keeps its default, which is valid: no problem is reported twice.
     with problems.check():
+        _flavor_family(cfg)
         validate(cfg)
     problems.raise_if_any(ConfigError)
     return cfg
+
+
+# Sizes users name under one family that titanlite builds as another: Qwen3.5's MoE sizes are
+# the qwen3_5_moe family (its own spec and Hugging Face class, as in transformers).
+FLAVOR_FAMILIES: dict[tuple[str, str], tuple[str, str]] = {
+    ("qwen3_5", "debugmodel_moe"): ("qwen3_5_moe", "debugmodel"),
+    ("qwen3_5", "35B-A3B"): ("qwen3_5_moe", "35B-A3B"),
+    ("qwen3_5", "397B-A17B"): ("qwen3_5_moe", "397B-A17B"),
+}
+
+
+def _flavor_family(cfg: JobConfig) -> None:
+    """Point a (family, flavor) that another family builds at that family (logged)."""
+    moved = FLAVOR_FAMILIES.get((cfg.model.name, cfg.model.flavor))
+    if moved:
+        logger.info(
+            "model %s %s is the %s family's %s flavor", cfg.model.name, cfg.model.flavor, *moved
+        )
+        cfg.model.name, cfg.model.flavor = moved
 
 
 def from_torchtitan(data: dict[str, Any], source: str) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from titanlite.metrics import local_bytes
 from titanlite.models import moe
 from titanlite.models.layers import count_params
 from titanlite.moe_tracker import MoETracker
+from titanlite.parallel.context import kv_rows_kept
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.materialize import materialize
 from titanlite.parallel.parallelize import parallelize
@@ -243,15 +244,23 @@ def _pipeline_lines(
 def _block_bytes(cfg: JobConfig, spec, args, dims: ParallelDims, *, sequences: int) -> int:  # noqa: ANN001
     """Bytes one block keeps for backward on this rank for ``sequences`` sequences: its
     share of each (seq_len / cp tokens, split again by tp), plus under context parallelism
-    the keys and values gathered from the whole sequence."""
+    the keys and values in sequence order (the mean over the blocks: a full-attention block
+    gathers the whole sequence's, a windowed one only the tokens its window reaches)."""
     d, t = dims.degrees, cfg.training
     local = t.seq_len // d.cp
     if cfg.activation_checkpoint.mode == "full":  # only each block's input is kept
         per_block = sequences * local * args.dim * 4
     else:
         per_block = block_activation_bytes(spec, args, local) * sequences
-        if d.cp > 1:  # gathered [seq, kv heads, head_dim] keys and values, in sequence order
-            per_block += 2 * 2 * sequences * t.seq_len * args.kv_heads * args.head_dim * 4
+        if d.cp > 1:  # [rows, kv heads, head_dim] keys and values, gathered and in order
+            windows = [
+                args.layer_window(i) if hasattr(args, "layer_window") else None
+                for i in range(args.n_layers)
+            ]  # fmt: skip
+            rows = sum(kv_rows_kept(seq_len=t.seq_len, cp=d.cp, window=w) for w in windows)
+            per_block += (
+                2 * 2 * sequences * rows * args.kv_heads * args.head_dim * 4 // len(windows)
+            )
     if t.mixed_precision_param == "bfloat16":
         per_block //= 2
     return per_block // d.tp  # sequence and tensor parallelism split them

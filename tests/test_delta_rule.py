@@ -1,8 +1,11 @@
 """The chunked gated delta rule equals the recurrence it stands for, written step by step here
 (fp64): outputs, final state and gradients, for several chunk sizes, with and without an
-initial state and document resets."""
+initial state and document resets; the mapping onto flash-linear-attention's op (against its
+documented contract: the kernel needs a GPU) and when that op is chosen."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,3 +107,115 @@ def test_state_passes_between_halves() -> None:
     )
     torch.testing.assert_close(torch.cat([first, second], 2), whole, rtol=0, atol=1e-12)
     torch.testing.assert_close(end, whole_state, rtol=0, atol=1e-12)
+
+
+def fla_contract(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens=None):  # noqa: ANN001, ANN201
+    """flash-linear-attention's chunk_gated_delta_rule as its docstring states it (fla-core
+    0.6.0), written plainly: [B, T, H, ...] tensors, queries times ``scale``, and with
+    ``cu_seqlens`` (B = 1) independent sequences, each from its own initial state."""
+    assert output_final_state and scale == 1.0  # the core's queries come scaled
+    heads_first = [x.transpose(1, 2) for x in (q, k, v, g, beta)]
+    if cu_seqlens is None:
+        out, state = stepwise(*heads_first, initial_state=initial_state)
+        return out.transpose(1, 2), state
+    assert q.shape[0] == 1 and cu_seqlens.dtype == torch.long
+    bounds = cu_seqlens.tolist()
+    outs, states = [], []
+    for i, (lo, hi) in enumerate(zip(bounds, bounds[1:], strict=False)):
+        start = None if initial_state is None else initial_state[i : i + 1]
+        out, state = stepwise(*(x[..., lo:hi, :] if x.dim() == 4 else x[..., lo:hi]
+                                for x in heads_first), initial_state=start)  # fmt: skip
+        outs.append(out)
+        states.append(state)
+    return torch.cat(outs, dim=2).transpose(1, 2), torch.cat(states)
+
+
+@pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "initial-state"])
+def test_fla_argument_mapping_equals_the_plain_rule(with_state: bool) -> None:
+    """``fla_rule.run`` hands flash-linear-attention's op (here its documented contract,
+    since the kernel needs a GPU) the layout, scale, states and document pieces that give the
+    plain rule's outputs, final states and gradients, resets included (one at a row's first
+    token, as a context-parallel chunk beginning a document has)."""
+    from titanlite.models.attention import fla_rule
+
+    *tensors, state = inputs(DOCUMENTS.shape[1], seed=3)
+    resets = document_starts(DOCUMENTS)
+    resets[1, 0] = True
+    initial = state if with_state else None
+    leaves = [*tensors, state] if with_state else tensors
+    for starts in (None, resets):
+        want, want_state = chunk_gated_delta_rule(*tensors, initial_state=initial, resets=starts)
+        q, k, v, g, beta = tensors
+        out, final = fla_rule.run(
+            fla_contract, q, k, v, g=g, beta=beta, resets=starts, initial_state=initial
+        )
+        torch.testing.assert_close(out, want, rtol=0, atol=1e-10)
+        torch.testing.assert_close(final, want_state, rtol=0, atol=1e-10)
+        weights = torch.randn(want.shape, dtype=torch.float64)
+        want_grads = torch.autograd.grad((want * weights).sum() + want_state.sum(), leaves)
+        grads = torch.autograd.grad((out * weights).sum() + final.sum(), leaves)
+        for got, expected in zip(grads, want_grads, strict=True):
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-10)
+
+
+FAKE_FLA = """
+__version__ = "9.9"
+"""
+FAKE_OP = """
+def chunk_gated_delta_rule(*args, **kwargs):
+    raise AssertionError("the fake flash-linear-attention ran")
+"""
+
+
+def test_fla_kernel_is_chosen_only_on_cuda_and_logged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An importable ``fla`` is chosen for CUDA tensors only: CPU tensors run the plain rule
+    whatever is installed, and ``linear_attention_kernel = "torch"`` never takes it; the
+    start-up line says which kernel and why."""
+    import sys
+
+    from titanlite.models.attention import GatedDeltaAttention, fla_rule
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    fla_rule.fast_op.cache_clear()
+    assert fla_rule.choose("auto", cuda) is None  # not installed here
+    assert "flash-linear-attention does not import" in fla_rule.describe("auto", cuda=True)
+    package = tmp_path / "fla" / "ops" / "gated_delta_rule"
+    package.mkdir(parents=True)
+    (tmp_path / "fla" / "__init__.py").write_text(FAKE_FLA)
+    (tmp_path / "fla" / "ops" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text(FAKE_OP)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fla_rule.fast_op.cache_clear()
+    try:
+        fake = sys.modules["fla.ops.gated_delta_rule"] if fla_rule.fast_op()[0] else None
+        assert fake is not None and fla_rule.choose("auto", cuda) is fake.chunk_gated_delta_rule
+        assert fla_rule.choose("auto", cpu) is None and fla_rule.choose("torch", cuda) is None
+        assert fla_rule.describe("auto", cuda=True).startswith(
+            "flash-linear-attention 9.9's Triton kernel"
+        )
+        assert "no CUDA device" in fla_rule.describe("auto", cuda=False)
+        assert '"torch"' in fla_rule.describe("torch", cuda=True)
+        core = GatedDeltaAttention()  # on CPU tensors: the plain rule, the fake never runs
+        q, k, v, g, beta, _ = (x.detach().float() for x in inputs(8))
+        out = core(q, k, v, g=g, beta=beta)
+        plain = GatedDeltaAttention()
+        plain.kernel = "torch"
+        torch.testing.assert_close(out, plain(q, k, v, g=g, beta=beta), rtol=0, atol=0)
+    finally:
+        for name in [n for n in sys.modules if n == "fla" or n.startswith("fla.")]:
+            del sys.modules[name]
+        fla_rule.fast_op.cache_clear()
+
+    import dataclasses
+
+    from titanlite.models.qwen3_5 import model
+    from titanlite.models.qwen3_5.args import FLAVORS
+
+    with caplog.at_level("INFO", logger="titanlite.models.attention"), torch.device("meta"):
+        model.build(dataclasses.replace(FLAVORS["debugmodel"], vocab_size=64))
+    assert (
+        "linear attention: 3 of 4 layers (Gated DeltaNet) run the delta rule with chunked "
+        "PyTorch (no CUDA device" in caplog.text
+    )

@@ -118,6 +118,30 @@ def test_dry_run_sizes_context_parallel_activations() -> None:
     assert state[1] == state[4], reports
 
 
+def test_dry_run_counts_only_the_keys_a_window_reaches_under_context_parallelism() -> None:
+    """gpt-oss's debug shape at cp 2, 4,096 tokens: a windowed layer keeps its two chunks'
+    spans of keys and values (busiest rank: 2 x (1,024 + 127) = 2,302 rows), not the whole
+    gathered sequence (4,096). Pattern "GL" keeps block 0 (the probe the dry run measures a
+    block on) global either way, so the two estimates differ by the 2 windowed layers' keys
+    and values alone: 2 x 2 x 64 sequences x (4,096 - 2,302) rows x 128 channels x 4 bytes."""
+    from titanlite.config import load_config
+    from titanlite.dry_run import dry_run
+
+    gib = {}
+    for window in (128, 0):
+        cfg = load_config([
+            "--job.config_file", str(REPO / "train_configs" / "gpt_oss_debug.toml"),
+            "--training.seq_len", "4096", "--training.local_batch_size", "64",
+            "--parallelism.context_parallel_degree", "2", "--model.window_pattern", "GL",
+            "--model.sliding_window", str(window),
+        ])  # fmt: skip
+        out = dry_run(cfg, 2, 2000)
+        gib[window] = float(re.search(r"activations\s+~([\d.]+) GiB", out).group(1))
+    kept_less = 2 * 2 * 2 * 64 * (4096 - 2302) * 128 * 4 / 2**30  # 0.44 GiB
+    assert gib[128] < gib[0], gib
+    assert abs(gib[0] - gib[128] - kept_less) < 0.015, (gib, kept_less)
+
+
 MOE_CONFIG = str(REPO / "train_configs" / "qwen3_moe_debug.toml")
 
 

@@ -37,8 +37,10 @@ from titanlite.dtypes import DTYPES
 from titanlite.loss import TrainingLoss
 from titanlite.metrics import local_bytes
 from titanlite.models import moe
+from titanlite.models.interfaces import AttentionCore, find
 from titanlite.models.layers import count_params
 from titanlite.moe_tracker import MoETracker
+from titanlite.parallel.context import kv_rows_kept
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.materialize import materialize
 from titanlite.parallel.parallelize import parallelize
@@ -60,6 +62,13 @@ def dry_run(cfg: JobConfig, world_size: int, tokenizer_vocab: int) -> str:
         with torch.device("meta"):
             model = spec.build(args)
         total = count_params(model)
+        # Under CP, what each block's attention keeps of the sequence's keys and values.
+        kv_windows = [
+            core.mask.window
+            for block in getattr(model, spec.blocks).values()
+            for core in find(block, AttentionCore)
+            if not core.recurrent  # linear attention passes a state, no keys
+        ]  # fmt: skip
         # Under pipeline parallelism a rank holds only its stages: those are what it sizes.
         parts = parallelize(
             model,
@@ -76,8 +85,8 @@ def dry_run(cfg: JobConfig, world_size: int, tokenizer_vocab: int) -> str:
         ).parts
         plan = pipeline_plan(cfg.parallelism, degrees, args.n_layers, cfg.training.local_batch_size)
         pipeline_lines = (
-            _pipeline_lines(cfg, spec, args, plan, dims=dims) if plan
-            else _activation_lines(cfg, spec, args, dims)
+            _pipeline_lines(cfg, spec, args, plan, dims=dims, kv_windows=kv_windows) if plan
+            else _activation_lines(cfg, spec, args, dims, kv_windows=kv_windows)
         )  # fmt: skip
         params = list({id(p): p for part in parts for p in part.parameters()}.values())
         local_numel = local_bytes(params) // 4  # still float32 on meta
@@ -215,14 +224,14 @@ def all_to_all_bytes(passes: int, tokens: int, top_k: int, dim: int, *, ep: int,
 
 
 def _pipeline_lines(
-    cfg: JobConfig, spec, args, plan: PipelinePlan, *, dims: ParallelDims
+    cfg: JobConfig, spec, args, plan: PipelinePlan, *, dims: ParallelDims, kv_windows: list
 ) -> list[str]:  # noqa: ANN001
     """The split, and this rank's activations kept for backward at the schedule's peak."""
     pp_rank, t = dims.local_rank("pp"), cfg.training
     stages = plan.rank_stages(pp_rank)
     micro = cfg.parallelism.pipeline_parallel_microbatch_size
     ac = cfg.activation_checkpoint.mode
-    per_block = _block_bytes(cfg, spec, args, dims, sequences=micro)
+    per_block = _block_bytes(cfg, spec, args, dims, sequences=micro, kv_windows=kv_windows)
     per_set = max(len(plan.stage_blocks[s]) for s in stages) * per_block
     sets = plan.in_flight(pp_rank)
     total = sets * per_set
@@ -242,27 +251,39 @@ def _pipeline_lines(
     ]
 
 
-def _block_bytes(cfg: JobConfig, spec, args, dims: ParallelDims, *, sequences: int) -> int:  # noqa: ANN001
+def _block_bytes(
+    cfg: JobConfig, spec, args, dims: ParallelDims, *, sequences: int, kv_windows: list
+) -> int:  # noqa: ANN001
     """Bytes one block keeps for backward on this rank for ``sequences`` sequences: its
     share of each (seq_len / cp tokens, split again by tp), plus under context parallelism
-    the keys and values gathered from the whole sequence."""
+    the keys and values in sequence order, the mean over the blocks of their attention
+    layers' (``kv_windows``: each one's window, None for full attention, which gathers the
+    whole sequence's; a windowed layer keeps only the tokens its window reaches, a linear
+    one none)."""
     d, t = dims.degrees, cfg.training
     local = t.seq_len // d.cp
     if cfg.activation_checkpoint.mode == "full":  # only each block's input is kept
         per_block = sequences * local * args.dim * 4
     else:
         per_block = block_activation_bytes(spec, args, local) * sequences
-        if d.cp > 1:  # gathered [seq, kv heads, head_dim] keys and values, in sequence order
-            per_block += 2 * 2 * sequences * t.seq_len * args.kv_heads * args.head_dim * 4
+        if d.cp > 1:  # [rows, kv heads, head_dim] keys and values, gathered and in order
+            rows = sum(kv_rows_kept(seq_len=t.seq_len, cp=d.cp, window=w) for w in kv_windows)
+            per_block += (
+                2 * 2 * sequences * rows * args.kv_heads * args.head_dim * 4 // args.n_layers
+            )
     if t.mixed_precision_param == "bfloat16":
         per_block //= 2
     return per_block // d.tp  # sequence and tensor parallelism split them
 
 
-def _activation_lines(cfg: JobConfig, spec, args, dims: ParallelDims) -> list[str]:  # noqa: ANN001
+def _activation_lines(
+    cfg: JobConfig, spec, args, dims: ParallelDims, *, kv_windows: list
+) -> list[str]:  # noqa: ANN001
     """Without pipeline stages: one micro-batch's activations kept for backward."""
     d, t = dims.degrees, cfg.training
-    per_block = _block_bytes(cfg, spec, args, dims, sequences=t.local_batch_size)
+    per_block = _block_bytes(
+        cfg, spec, args, dims, sequences=t.local_batch_size, kv_windows=kv_windows
+    )
     logits = t.local_batch_size * (t.seq_len // d.cp) * args.vocab_size * 4 // d.tp
     total = args.n_layers * per_block + logits
     ac = cfg.activation_checkpoint.mode

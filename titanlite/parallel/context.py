@@ -114,6 +114,20 @@ def kv_bytes_received(
     return tokens * 2 * batch * kv_channels * element_size
 
 
+def kv_rows_kept(*, seq_len: int, cp: int, window: int | None) -> int:
+    """Rows of keys (values alike) the busiest cp rank keeps for one attention layer's
+    backward: the whole sequence gathered for full attention (``window`` None) or a window
+    that reaches as far, else its two chunks' spans, each chunk with the ``window - 1``
+    tokens before it (what ``ContextParallel._windowed`` attends over)."""
+    local = seq_len // cp
+    if window is None or max(len(r) for r in window_reach(local, cp, window)) >= (cp - 1) * local:
+        return seq_len
+    c = local // 2
+    return max(
+        sum(c + min(j * c, window - 1) for j in (rank, 2 * cp - 1 - rank)) for rank in range(cp)
+    )
+
+
 @dataclass(frozen=True)
 class WindowExchange:
     """What one rank sends and receives for a windowed layer, and how it lays out each

@@ -18,6 +18,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
+
+from titanlite.models.attention import fla_rule
 from titanlite.models.attention.causal import CausalAttention
 from titanlite.models.attention.gated_delta import GatedDeltaAttention
 from titanlite.models.attention.kernels import chunk_attention, document_attention
@@ -71,7 +74,16 @@ def for_layer(args: Any, layer: int) -> AttentionCore:
 
 
 def log_choice(cores: list[AttentionCore]) -> None:
-    """Log which kernel the layers' attention runs on, when some layer has a window or sinks."""
+    """Log which kernel the layers' attention runs on, when some layer has a window or sinks
+    or is Gated DeltaNet (whose kernel is chosen per call: CUDA tensors and an importable
+    flash-linear-attention; the line says what a run on this machine's device gets)."""
+    linear = [c for c in cores if isinstance(c, GatedDeltaAttention)]
+    if linear:
+        logger.info(
+            "linear attention: %d of %d layers (Gated DeltaNet) run the delta rule with %s",
+            len(linear), len(cores),
+            fla_rule.describe(linear[0].kernel, cuda=torch.cuda.is_available()),
+        )  # fmt: skip
     masked = [c.mask for c in cores if isinstance(c, MaskedAttention)]
     if not masked:
         return

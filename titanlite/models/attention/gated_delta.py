@@ -3,7 +3,8 @@
 Queries and keys are L2-normalized per head and queries scaled by 1/sqrt(key head size);
 each query/key head serves ``value heads / key heads`` consecutive value heads. The state
 restarts at every document start when document ids are given (``Mask.documents``). The
-rule itself is ``delta_rule.chunk_gated_delta_rule``: plain PyTorch, any device. Under context
+rule itself is ``delta_rule.chunk_gated_delta_rule``: plain PyTorch, any device; on CUDA,
+flash-linear-attention's kernel instead when that package is installed (``fla_rule``). Under context
 parallelism (``sequence_split``, a ``RecurrentSplit``) the core's rows are this rank's chunks
 and the split supplies the state before each (``titanlite.parallel.linear_context``).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from titanlite.models.attention import fla_rule
 from titanlite.models.attention.delta_rule import chunk_gated_delta_rule, document_starts
 from titanlite.models.interfaces import AttentionCore, Mask
 
@@ -29,6 +31,8 @@ class GatedDeltaAttention(AttentionCore):
         super().__init__()
         self.chunk_size = 64
         """Tokens per chunk of the delta rule (the block sets its args' chunk_size)."""
+        self.kernel = "auto"
+        """"auto": flash-linear-attention's kernel on CUDA when it imports; "torch": never."""
 
     def forward(  # type: ignore[override]  # a recurrent core also takes decays and steps
         self,
@@ -66,7 +70,13 @@ class GatedDeltaAttention(AttentionCore):
         initial_state: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The rule over normalized, head-matched q, k, v from ``initial_state`` (zero if
-        None): outputs and the final state (``chunk_gated_delta_rule``)."""
+        None): outputs and the final state (``chunk_gated_delta_rule``, or the same through
+        ``fla_rule.run`` where ``fla_rule.choose`` picks flash-linear-attention's kernel)."""
+        op = fla_rule.choose(self.kernel, q.device)
+        if op is not None:
+            return fla_rule.run(
+                op, q, k, v, g=g, beta=beta, resets=resets, initial_state=initial_state
+            )
         return chunk_gated_delta_rule(
             q, k, v, g=g, beta=beta, chunk_size=self.chunk_size, resets=resets,
             initial_state=initial_state,

@@ -9,7 +9,7 @@ has a fixed size whatever the sequence (``titanlite.models.qwen3_5.model``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from titanlite.models.decoder_spec import check_decoder_shape
 
@@ -55,6 +55,8 @@ class Qwen35Args:
     """Width of the short causal depthwise convolution on the DeltaNet queries, keys, values."""
     chunk_size: int = 64
     """Tokens the chunked delta rule processes at once (a speed setting: results are equal)."""
+    linear_attention_kernel: Literal["auto", "torch"] = "auto"
+    """The delta rule's kernel: "auto" runs flash-linear-attention's on CUDA when that package is installed (else the chunked PyTorch one), "torch" always the chunked PyTorch one."""
 
     POSITIVE: ClassVar[tuple[str, ...]] = (
         "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim",
@@ -112,5 +114,5 @@ OVERRIDES = (
     "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim", "rope_theta",
     "norm_eps", "tie_embeddings", "partial_rotary", "full_attention_interval",
     "linear_k_heads", "linear_v_heads", "linear_k_dim", "linear_v_dim", "conv_kernel",
-    "chunk_size",
+    "chunk_size", "linear_attention_kernel",
 )  # fmt: skip

@@ -140,6 +140,7 @@ class GatedDeltaNet(nn.Module):
         self.wo = nn.Linear(values, args.dim, bias=False)
         self.core = attention.build(args.linear_attention)
         self.core.chunk_size = args.chunk_size
+        self.core.kernel = args.linear_attention_kernel
 
     def forward(
         self, x: torch.Tensor, *, rope: torch.Tensor, documents: torch.Tensor | None = None
@@ -209,6 +210,10 @@ class HybridDecoder(nn.Module):
             args.vocab_size, args.dim, _weight=torch.empty(args.vocab_size, args.dim)
         )
         self.layers = nn.ModuleDict({str(i): HybridBlock(args, i) for i in range(args.n_layers)})
+        attention.log_choice([
+            (block.attention if hasattr(block, "attention") else block.linear_attn).core
+            for block in self.layers.values()
+        ])  # fmt: skip
         self.norm = OffsetRMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:

@@ -28,11 +28,12 @@ import train_scenarios
 from conftest import REPO, subprocess_env
 from pool import get_pool
 
+from titanlite import stop_vote
 from titanlite.checkpoint import integrity
 from titanlite.checkpoint.checkpointer import Checkpointer, ModelIdentity
 from titanlite.checkpoint.folders import complete_checkpoints, read_sidecar
 from titanlite.config.job_config import Checkpoint as CheckpointConfig
-from titanlite.errors import EXIT_PREEMPTED, UserError
+from titanlite.errors import EXIT_PREEMPTED, Interrupted, Preempted, UserError
 from titanlite.metrics_file import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -315,41 +316,6 @@ def test_kill_during_the_dcp_write_leaves_the_previous_checkpoint_untouched(
 
 
 # --------------------------------------------------------------------------- preemption
-def test_sigterm_and_sigusr1_save_exit_75_and_resume_exactly(
-    tmp_path: Path, baseline: tuple[Path, dict]
-) -> None:
-    _, base = baseline
-    out = tmp_path / "run"
-
-    first = Started(out)
-    first.wait_until("step 2 is logged", lambda: max(last_losses(out), default=0) >= 2)
-    first.proc.send_signal(signal.SIGTERM)
-    assert first.wait() == EXIT_PREEMPTED, first.output()
-    stopped = max(last_losses(out))
-    assert stopped < STEPS
-    assert read_sidecar(out / "checkpoint" / f"step-{stopped}")["step"] == stopped
-
-    second = Started(out)
-    second.wait_until(
-        "two steps after the resume",
-        lambda: (
-            sum(r.get("kind") == "resume" for r in records(out)) == 1
-            and len(steps_since_last_resume(out)) >= 2
-        ),
-    )
-    second.proc.send_signal(signal.SIGUSR1)
-    assert second.wait() == EXIT_PREEMPTED, second.output()
-    assert f"resumed from checkpoint at step {stopped}" in second.output()
-    stopped2 = max(steps_since_last_resume(out))
-    assert stopped < stopped2 < STEPS
-    assert read_sidecar(out / "checkpoint" / f"step-{stopped2}")["step"] == stopped2
-
-    result = run(out)
-    assert_ok(result)
-    assert steps_since_last_resume(out) == list(range(stopped2 + 1, STEPS + 1))
-    assert_same_losses(out, base, range(1, STEPS + 1))
-
-
 SLOW_WRITES = """
 import io, os, time
 _open = io.open
@@ -361,12 +327,14 @@ io.open = _slow_open
 """
 
 
-def test_sigterm_during_an_async_save_loses_nothing(
+def test_sigusr1_during_an_async_save_loses_nothing(
     tmp_path: Path, baseline: tuple[Path, dict]
 ) -> None:
-    """SIGTERM while the background save of step-4 is still writing (its shard files are
-    slowed to 2 s each): the trainer finishes that save, saves the step it stops at, exits
-    75, and the resumed run loses no step and matches the baseline."""
+    """SIGUSR1 (SLURM's --signal=USR1 preemption notice; SIGTERM takes the same path:
+    test_sigterm_through_run_train_exits_75) while the background save of step-4 is still
+    writing (its shard files are slowed to 2 s each): the trainer finishes that save, saves
+    the step it stops at, exits 75, and the resumed run loses no step and matches the
+    baseline."""
     _, base = baseline
     out = tmp_path / "run"
     hook = tmp_path / "hook"
@@ -376,7 +344,7 @@ def test_sigterm_during_an_async_save_loses_nothing(
     job = Started(out, "--checkpoint.async_mode", "async", PYTHONPATH=str(hook),
                   TEST_SLOW_WRITES="step-4.partial")  # fmt: skip
     job.wait_until("step-4 is being written", partial.is_dir)
-    job.proc.send_signal(signal.SIGTERM)  # while its writer waits 2 s to open the shard
+    job.proc.send_signal(signal.SIGUSR1)  # while its writer waits 2 s to open the shard
     assert not (out / "checkpoint" / "step-4").exists()
     assert job.wait() == EXIT_PREEMPTED, job.output()
     stopped = max(last_losses(out))
@@ -406,32 +374,17 @@ def test_a_checkpoint_without_its_sidecar_is_skipped_with_a_warning(
     assert read_sidecar(out / "checkpoint" / "step-8")["step"] == 8
 
 
-SLOW_DATA = """
-import time
-import datasets
-_load = datasets.load_dataset
-def _slow_load(*args, **kwargs):
-    time.sleep(3)
-    return _load(*args, **kwargs)
-datasets.load_dataset = _slow_load
-"""
-
-
-def test_sigterm_during_startup_exits_75_without_a_save(tmp_path: Path) -> None:
-    """SIGTERM while the trainer is still starting (its handlers are in place once the world
-    size is logged; model, data and checkpoint come after): status 75 before any step, and no
-    checkpoint written."""
-    out = tmp_path / "run"
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(SLOW_DATA)  # start-up outlasts the signal's trip
-    job = Started(out, PYTHONPATH=str(hook))
-    job.wait_until("start-up has begun", lambda: "world size 1" in job.log.read_text())
-    job.proc.send_signal(signal.SIGTERM)
-    assert job.wait() == EXIT_PREEMPTED, job.output()
-    assert "stopped during start-up on signal 15, before step 1" in job.output()
-    assert not records(out) or not last_losses(out)  # no step ran
-    assert not list((out / "checkpoint").glob("step-*"))
+def test_a_stop_signal_during_start_up_says_so() -> None:
+    """What a preemption signal during start-up ends the run with (exit 75: the launcher test
+    below). The path is the Ctrl-C one, which test_interrupts runs end to end; only the vote's
+    level and so the message differ."""
+    vote = stop_vote.StopVote.__new__(stop_vote.StopVote)  # no signal handlers installed
+    vote.level, vote.signal = stop_vote.PREEMPTED, 15
+    error = vote.stopped(1, saved=False, startup=True)
+    assert isinstance(error, Preempted)
+    assert str(error) == "stopped during start-up on signal 15, before step 1; nothing new to save"
+    vote.level = stop_vote.INTERRUPTED
+    assert isinstance(vote.stopped(3, saved=True), Interrupted)
 
 
 def test_sigterm_through_run_train_exits_75(tmp_path: Path) -> None:

@@ -186,7 +186,8 @@ def check(cfg: JobConfig, world_size: int) -> Tokenizer | None:
             "document boundaries by"
         )
     path = resolve_path(cfg.training.dataset_path)
-    if path and not os.path.exists(path) and not cfg.training.datasets:
+    # A dry run reads no data: a cluster recipe's shared folder need not exist where it runs.
+    if path and not os.path.exists(path) and not cfg.training.datasets and not cfg.job.dry_run:
         problems.add(f"training.dataset_path: {path!r} does not exist")
     for i, entry in enumerate(cfg.training.datasets):
         folder = resolve_path(entry.path)

@@ -208,32 +208,51 @@ def test_mtp_with_pipeline_or_context_parallelism_is_refused_in_one_line() -> No
         )
 
 
+YARN = {"rope_factor": 4.0, "rope_original_seq_len": 16, "rope_mscale": 1.0,
+        "rope_mscale_all_dim": 0.7}  # fmt: skip
+# DeepSeek-V2-Lite's routing (the 16B flavor's): softmax top-k, no groups, no renormalization.
+SOFTMAX = {"score_func": "softmax", "norm_topk": False, "n_groups": 1, "topk_groups": 1,
+           "route_scale": 1.5, "bias_update_rate": 0.0}  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "changes",
-    [{}, {"q_lora_rank": 0, "rope_factor": 4.0, "rope_original_seq_len": 16,
-          "rope_mscale": 1.0, "rope_mscale_all_dim": 0.7, "tie_embeddings": True},
-     {"mtp_layers": 1}],
-    ids=["low-rank-q", "full-q-yarn-tied", "mtp"],
-)  # fmt: skip
+    [YARN, {"q_lora_rank": 0, **YARN, "tie_embeddings": True, **SOFTMAX}, {"mtp_layers": 1}],
+    ids=["low-rank-q-yarn", "softmax-v2-full-q-yarn-tied", "mtp"],
+)
 def test_export_to_transformers_gives_equal_logits_and_imports_back(
     tmp_path: Path, changes: dict
 ) -> None:
+    """Sigmoid scores export as DeepseekV3ForCausalLM, softmax scores (DeepSeek-V2-Lite's
+    shape) as DeepseekV2ForCausalLM; either loads with titanlite's logits and imports back."""
     transformers = pytest.importorskip("transformers")
     sys.path.insert(0, str(REPO / "scripts"))
     import convert_from_hf
     import convert_to_hf
 
+    from titanlite.errors import UserError
     from titanlite.interop.checkpoint_model import load_checkpoint_model
 
     args = tiny_args(vocab_size=4096, **changes)
     model = tiny_model(args, seed=1).eval()
+    adapter = SPEC.hf_adapter()
+    arch = "DeepseekV2ForCausalLM" if args.score_func == "softmax" else "DeepseekV3ForCausalLM"
+    if args.score_func == "softmax":  # DeepSeek-V2 has no routing bias: a trained one refuses
+        with pytest.raises(UserError, match=r"layers\.1\.feed_forward\.expert_bias is not zero"):
+            adapter.to_hf_state_dict(model.state_dict(), args)
+        with torch.no_grad():
+            for block in list(model.layers.values())[args.first_k_dense :]:
+                block.feed_forward.expert_bias.zero_()
     ckpt = write_checkpoint(tmp_path / "step-3", model)
     out = tmp_path / "hf"
     assert convert_to_hf.main([str(ckpt), str(out)]) == 0
     config = json.loads((out / "config.json").read_text())
-    assert config["architectures"] == ["DeepseekV3ForCausalLM"]
-    assert config["num_nextn_predict_layers"] == args.mtp_layers
+    assert config["architectures"] == [arch]
+    assert config.get("num_nextn_predict_layers", 0) == args.mtp_layers
+    read = adapter.from_hf_config(config)  # config.json alone gives back the routing
+    assert (read.score_func, read.norm_topk, read.n_groups, read.route_scale) == (
+        args.score_func, args.norm_topk, args.n_groups, args.route_scale)  # fmt: skip
     if args.mtp_layers:  # the depth as the block after the last, as DeepSeek-V3 ships it
         from safetensors import safe_open
 
@@ -245,7 +264,7 @@ def test_export_to_transformers_gives_equal_logits_and_imports_back(
         assert {f"model.layers.3.{n}" for n in ("enorm.weight", "hnorm.weight",
                 "eh_proj.weight", "shared_head.norm.weight", "shared_head.head.weight",
                 "embed_tokens.weight", "mlp.gate.weight")} <= mtp  # fmt: skip
-    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    hf = getattr(transformers, arch).from_pretrained(out, dtype=torch.float32).eval()
     x = torch.randint(4, 4096, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours, theirs = model(x), hf(x).logits.float()

@@ -133,15 +133,12 @@ def check(cfg: JobConfig, world_size: int) -> Tokenizer | None:
                     "keys (qk-norm), which undoes QK-clip's scaling of wq and wk; leave it unset"
                 )
             depths = getattr(args, "mtp_layers", 0)
-            for key, degree in (
-                (("pipeline", degrees.pp), ("context", degrees.cp)) if degrees else ()
-            ):
-                if depths and degree > 1:
-                    problems.add(
-                        f"parallelism.{key}_parallel_degree {degree}: multi-token prediction "
-                        f"(model.mtp_layers {depths}) does not run under {key} parallelism yet; "
-                        "set it to 1 or model.mtp_layers to 0"
-                    )
+            if depths and degrees and degrees.cp > 1:
+                problems.add(
+                    f"parallelism.context_parallel_degree {degrees.cp}: multi-token prediction "
+                    f"(model.mtp_layers {depths}) does not run under context parallelism yet; "
+                    "set it to 1 or model.mtp_layers to 0"
+                )
             if degrees and spec.experts:
                 check_experts(cfg, degrees, problems)
                 if degrees.ep > 1 and args.num_experts % degrees.ep:

@@ -148,21 +148,29 @@ class Decoder(nn.Module):
         may restart at each document). ``documents`` [batch, whole seq] (document numbers,
         see ``attention.document_ids``) makes attention block-causal within documents.
         """
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        # Training with multi-token prediction: the embeddings of the tokens each depth looks
+        # ahead to are taken where the embedding is (a pipeline's first stage) and travel with
+        # the hidden state, joined along the last dimension, to the depths (its last stage).
+        depths = getattr(self.args, "mtp_layers", 0) if self.training else 0
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(tokens)
+            ahead = [self.tok_embeddings(tokens_ahead(tokens, d)) for d in range(1, depths + 1)]
+        else:
+            h, *ahead = tokens.split(self.args.dim, dim=-1) if depths else (tokens,)
         rope = self.rope if positions is None else self.rope[positions]
         for layer in self.layers.values():
             h = layer(h, rope, documents=documents)
         if self.output is None:
-            return h
+            return torch.cat([h, *ahead], dim=-1) if ahead else h
         logits = self.output(self.norm(h)).float()
-        if self.mtp is None or not self.training:
+        if self.mtp is None or not depths:
             return logits
-        # Training with multi-token prediction: each depth's logits follow along the sequence.
-        ahead = []
-        for d, depth in enumerate(self.mtp.values(), start=1):
-            h = depth(self.tok_embeddings(tokens_ahead(tokens, d)), h, rope, documents)
-            ahead.append(self.output(depth.norm(h)).float())
-        return torch.cat([logits, *ahead], dim=1)
+        # Each depth's logits follow the main ones along the sequence.
+        predicted = []
+        for embedded, depth in zip(ahead, self.mtp.values(), strict=True):
+            h = depth(embedded, h, rope, documents)
+            predicted.append(self.output(depth.norm(h)).float())
+        return torch.cat([logits, *predicted], dim=1)
 
     def init_buffers(self) -> None:
         """Recompute the RoPE tables on the model's device (after to_empty from meta) and

@@ -177,13 +177,20 @@ class Pipeline:
         dist.all_reduce(terms, dist.ReduceOp.SUM, group=self.group)  # from the last stage
         return terms
 
-    def warm_up(self, batch: int, seq_len: int, device: torch.device) -> None:
+    def warm_up(
+        self,
+        batch: int,
+        seq_len: int,
+        device: torch.device,
+        labels_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lambda x, y: y,
+    ) -> None:
         """One forward and backward of a batch of zeros, gradients dropped: the schedule's
         first step also runs its stages on placeholder tensors to infer shapes, and a layer
         that keeps statistics of its forwards (a mixture of experts) must not count those
-        in a real step."""
+        in a real step. ``labels_of(inputs, labels)`` gives the training labels (with the
+        multi-token prediction depths' targets, ``ParallelModel.training_labels``)."""
         tokens = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
-        self.forward_backward(tokens, tokens, 0.0)
+        self.forward_backward(tokens, labels_of(tokens, tokens), 0.0)
         for module in self.local.values():
             for param in module.parameters():
                 param.grad = None

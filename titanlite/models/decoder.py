@@ -141,7 +141,8 @@ class Decoder(nn.Module):
         """Token ids -> logits (in training with ``mtp_layers`` depths [batch, (1 + depths) x
         seq, vocab]: the main logits, then each depth's, ``titanlite.models.mtp``); a pipeline
         stage (some modules set to None) maps its input (ids, or the hidden states of the
-        stage before) to its output the same way.
+        stage before, in training with depths joined with the look-ahead embeddings) to its
+        output the same way.
 
         ``positions`` ([seq], or [batch, seq]) are the tokens' RoPE positions when they are
         not 0, 1, ... (a context-parallel rank holds chunks of a longer sequence; positions

@@ -317,13 +317,13 @@ def by_step(run: dict, key: str) -> dict[int, float]:
 
 
 @pytest.mark.slow
-def test_tensor_and_expert_parallel_layouts_match_one_process(tmp_path: Path) -> None:
+def test_tensor_expert_and_pipeline_layouts_match_one_process(tmp_path: Path) -> None:
     """deepseek_v3 debug (2 blocks: dense, then 8 experts in 4 groups; low-rank query; one
     multi-token prediction depth), fp32, aux loss and bias update on: dp_shard 2 x tp 2
-    (latent attention split by heads), ep 2 x dp_shard 2 and pp 2 x dp_shard 2 (the depth on
-    the last stage, fed the next tokens' embeddings from the first) against one process with
-    the same global batch of 4, 8 steps: relative loss, MTP loss and gradient-norm
-    differences <= 1e-5."""
+    (latent attention split by heads) and pp 2 x dp_shard 2 with ep 2 within dp_shard (the
+    experts of the second stage split over 2 ranks; the depth on the last stage, fed the next
+    tokens' embeddings from the first) against one process with the same global batch of 4,
+    8 steps: relative loss, MTP loss and gradient-norm differences <= 1e-5."""
     one = train(1, tmp_path / "one", 4)
     base, base_norm = by_step(one, "loss"), by_step(one, "grad_norm")
     base_mtp = by_step(one, "mtp_loss")
@@ -331,8 +331,8 @@ def test_tensor_and_expert_parallel_layouts_match_one_process(tmp_path: Path) ->
     assert sorted(base_mtp) == list(range(1, 9)) and base_mtp[8] < base_mtp[1]
     worst = {}
     layouts = (("dp2_tp2", 2, ("--parallelism.tensor_parallel_degree", "2")),
-               ("ep2_dp2", 1, ("--parallelism.expert_parallel_degree", "2")),
-               ("pp2_dp2", 2, ("--parallelism.pipeline_parallel_degree", "2")))  # fmt: skip
+               ("pp2_ep2_dp2", 2, ("--parallelism.pipeline_parallel_degree", "2",
+                                   "--parallelism.expert_parallel_degree", "2")))  # fmt: skip
     for name, local_batch, extra in layouts:
         run = train(4, tmp_path / name, local_batch, *extra)
         loss, norm = by_step(run, "loss"), by_step(run, "grad_norm")

@@ -133,6 +133,14 @@ def check(cfg: JobConfig, world_size: int) -> Tokenizer | None:
                     "keys (qk-norm), which undoes QK-clip's scaling of wq and wk; leave it unset"
                 )
             depths = getattr(args, "mtp_layers", 0)
+            tied = getattr(args, "tie_embeddings", False)
+            if tied and degrees and degrees.pp > 1 and degrees.tp > 1:
+                problems.add(
+                    "model.tie_embeddings: tied embeddings do not run under pipeline and tensor "
+                    "parallelism together yet (the first stage's embedding and the last stage's "
+                    "output are split differently); set it to false, or pipeline_parallel_degree "
+                    "or tensor_parallel_degree to 1"
+                )
             if depths and degrees and degrees.cp > 1:
                 problems.add(
                     f"parallelism.context_parallel_degree {degrees.cp}: multi-token prediction "

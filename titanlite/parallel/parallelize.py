@@ -174,6 +174,6 @@ def parallelize(
             # shapes; layers that count what their forwards see (routing) must not count
             # those in a real step: one step of zeros now, its gradients dropped.
             result.pipeline.warm_up(
-                t.local_batch_size, t.seq_len, device, labels_of=result.training_labels
+                t.local_batch_size, t.seq_len, device, forward_backward=result.forward_backward
             )
     return result

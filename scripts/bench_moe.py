@@ -1,13 +1,16 @@
-"""Mixture of experts on this machine: step time of the qwen3_moe debug model at several
-expert-parallel degrees, its tokens/s against a dense Qwen3 of the same active size, and the
-share of the step spent in expert parallelism's dispatch and combine.
+"""Mixture of experts on this machine: step time of the qwen3_moe (or, --family deepseek_v3,
+the DeepSeek-V3) debug model at several expert-parallel degrees, its tokens/s against a dense
+model of the same active size, and the share of the step spent in expert parallelism's
+dispatch and combine.
 
 Runs titanlite's Trainer on --world gloo processes (one process group per layout, one
 intra-op thread per rank), fp32, the same global batch for every layout: dp_shard = world
 (FSDP) and the expert-parallel degree borrowed from it (at ep 1 FSDP alone shards the
 experts, and each rank computes every expert on its own tokens). The dense baseline is qwen3 debugmodel with the feed-forward width (top_k x
 moe_hidden_dim, plus the router's share rounded in) that gives it about the MoE's active
-parameter count, on the same layout. Per rank, median over the measured steps:
+parameter count, on the same layout; for deepseek_v3 it is the DeepSeek-V3 debug model itself
+with every block dense (the same latent attention) at the width that gives it the MoE's active
+parameters. Per rank, median over the measured steps:
 
   step          wall time of Trainer.train_step; the table shows the slowest rank's, and
                 tokens/s is the global batch's tokens over it
@@ -20,6 +23,7 @@ parameter count, on the same layout. Per rank, median over the measured steps:
                 of them as a share of its CPU time (mean over ranks)
 
     python scripts/bench_moe.py --ep 1 2 4 --world 4 --seq-len 128 --local-batch 2
+    python scripts/bench_moe.py --family deepseek_v3 --ep 1 2 --world 2
 
 With more ranks than cores the ranks also wait for a core, and a collective waits for the
 slowest rank: the all-to-all time includes that wait, so read the share as an upper bound.
@@ -46,6 +50,12 @@ FIELDS = ("step_s", "cpu_s", "counts_s", "a2a_s", "a2a_cpu_s", "calls", "params"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--family",
+        choices=("qwen3_moe", "deepseek_v3"),
+        default="qwen3_moe",
+        help="the MoE debug model, against a dense one of its active size",
+    )
     parser.add_argument("--ep", type=int, nargs="*", default=[1, 2, 4])
     parser.add_argument("--world", type=int, default=4, help="ranks = dp_shard for every layout")
     parser.add_argument("--seq-len", type=int, default=128)
@@ -123,6 +133,49 @@ def dense_width() -> tuple[int, str]:
     return width, shape
 
 
+def deepseek_dense_width() -> tuple[int, str]:
+    """The deepseek_v3 debug model made dense (every block a SwiGLU: first_k_dense = n_layers,
+    the same latent attention) with the width that gives it the MoE's active parameters: the
+    dense first blocks' widths plus, per MoE block, the top_k and shared experts' and the
+    router's (weights and routing bias), spread evenly over the blocks."""
+    from titanlite.models.deepseek_v3.args import FLAVORS
+
+    moe = FLAVORS["debugmodel"]
+    experts = (moe.top_k + moe.shared_experts) * 3 * moe.dim * moe.moe_hidden_dim
+    active_moe_ffn = experts + moe.dim * moe.num_experts + moe.num_experts
+    ffn = moe.first_k_dense * 3 * moe.dim * moe.dense_hidden_dim
+    ffn += (moe.n_layers - moe.first_k_dense) * active_moe_ffn
+    width = round(ffn / (moe.n_layers * 3 * moe.dim))
+    shape = (
+        f"dim {moe.dim}, {moe.n_layers} layers ({moe.first_k_dense} dense of width "
+        f"{moe.dense_hidden_dim}), {moe.num_experts} experts in {moe.n_groups} groups, "
+        f"top-{moe.top_k} + {moe.shared_experts} shared, expert width {moe.moe_hidden_dim}, "
+        "latent attention"
+    )
+    return width, shape
+
+
+def families(family: str, eps: list[int]) -> tuple[str, list[tuple[str, list[str]]]]:
+    """The shape line and the (name, argv) layouts: the dense baseline first, then the MoE
+    model at each expert-parallel degree."""
+    if family == "deepseek_v3":
+        from titanlite.models.deepseek_v3.args import FLAVORS
+
+        width, shape = deepseek_dense_width()
+        blocks = str(FLAVORS["debugmodel"].n_layers)
+        dense = ["--model.first_k_dense", blocks, "--model.dense_hidden_dim", str(width)]
+        layouts = [(f"deepseek_v3 dense (width {width})", ["--model.name", "deepseek_v3", *dense])]
+        line = f"# deepseek_v3 debugmodel: {shape}; dense: the same, all blocks width {width}"
+    else:
+        width, shape = dense_width()
+        layouts = [(f"qwen3 dense (hidden {width})",
+                    ["--model.name", "qwen3", "--model.hidden_dim", str(width)])]  # fmt: skip
+        line = f"# qwen3_moe debugmodel: {shape}; dense: qwen3 debugmodel, hidden_dim {width}"
+    layouts += [(f"{family} ep {ep}", ["--model.name", family,
+                 "--parallelism.expert_parallel_degree", str(ep)]) for ep in eps]  # fmt: skip
+    return line, layouts
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     common = [
@@ -131,7 +184,6 @@ def main(argv: list[str] | None = None) -> int:
         "--checkpoint.enable", "false", "--validation.enable", "false",
         "--metrics.log_freq", "1000", "--training.steps", "1000",
     ]  # fmt: skip
-    width, shape = dense_width()
     tokens = args.world * args.local_batch * args.seq_len
     cores = os.cpu_count() or 1
     print(
@@ -143,11 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.world > cores:
         print(f"# {args.world} ranks share {cores} cores: wall time includes waiting for a core")
-    print(f"# qwen3_moe debugmodel: {shape}; dense: qwen3 debugmodel, hidden_dim {width}")
-    layouts = [(f"qwen3 dense (hidden {width})",
-                ["--model.name", "qwen3", "--model.hidden_dim", str(width)])]  # fmt: skip
-    layouts += [(f"qwen3_moe ep {ep}", ["--model.name", "qwen3_moe",
-                 "--parallelism.expert_parallel_degree", str(ep)]) for ep in args.ep]  # fmt: skip
+    line, layouts = families(args.family, args.ep)
+    print(line)
     print(
         "\n| model | params | active | step ms (wall, slowest rank) | tokens/s (wall) | "
         "vs dense | CPU ms per step (busiest rank) | tokens/s (1 core per rank) | vs dense | "

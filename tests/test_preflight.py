@@ -12,7 +12,7 @@ import pytest
 from test_config import REPO, TRAIN_CONFIGS, write_toml
 
 from titanlite import preflight
-from titanlite.checks import build_model_args
+from titanlite.checks import build_model_args, check
 from titanlite.config import (
     ConfigError,
     JobConfig,
@@ -49,12 +49,18 @@ def test_shipped_config_loads_and_has_no_unknown_keys(path: Path) -> None:
         ("llama3_8b.toml", 8, 32000),
         ("llama3_70b.toml", 64, 32000),
         ("llama3_405b.toml", 2048, 128256),
+        ("deepseek_v3_671b.toml", 2048, 129280),
+        ("kimi_k2.toml", 2048, 163840),
     ],
 )
 def test_shipped_config_layout_is_valid_at_its_scale(
     name: str, world_size: int, vocab_size: int
 ) -> None:
+    """Each recipe passes every launch check at its scale (as its dry run would: no tokenizer
+    or data folder needed), and its layout divides its batch and heads."""
     cfg = load_config(["--job.config_file", str(REPO / "train_configs" / name)])
+    dry = ["--job.dry_run", "--model.vocab_size", str(vocab_size)]
+    check(load_config(["--job.config_file", str(REPO / "train_configs" / name), *dry]), world_size)
     degrees = resolve_degrees(cfg, world_size)
     assert degrees.world_size == world_size
     assert gradient_accumulation_steps(cfg, degrees) >= 1

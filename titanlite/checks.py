@@ -123,12 +123,13 @@ def check(cfg: JobConfig, world_size: int) -> Tokenizer | None:
                     f"muon.qk_clip_threshold: {spec.name} normalizes each head's queries and "
                     "keys (qk-norm), which undoes QK-clip's scaling of wq and wk; leave it unset"
                 )
-            depths = getattr(args, "mtp_layers", 0)
-            if depths and degrees and degrees.pp > 1:
+            tied = getattr(args, "tie_embeddings", False)
+            if tied and degrees and degrees.pp > 1 and degrees.tp > 1:
                 problems.add(
-                    f"parallelism.pipeline_parallel_degree {degrees.pp}: multi-token prediction "
-                    f"(model.mtp_layers {depths}) does not run under pipeline parallelism yet; "
-                    "set it to 1 or model.mtp_layers to 0"
+                    "model.tie_embeddings: tied embeddings do not run under pipeline and tensor "
+                    "parallelism together yet (the first stage's embedding and the last stage's "
+                    "output are split differently); set it to false, or pipeline_parallel_degree "
+                    "or tensor_parallel_degree to 1"
                 )
             if degrees and spec.experts:
                 if degrees.ep > 1 and args.num_experts % degrees.ep:
@@ -173,7 +174,8 @@ def check(cfg: JobConfig, world_size: int) -> Tokenizer | None:
             "document boundaries by"
         )
     path = resolve_path(cfg.training.dataset_path)
-    if path and not os.path.exists(path) and not cfg.training.datasets:
+    # A dry run reads no data: a cluster recipe's shared folder need not exist where it runs.
+    if path and not os.path.exists(path) and not cfg.training.datasets and not cfg.job.dry_run:
         problems.add(f"training.dataset_path: {path!r} does not exist")
     for i, entry in enumerate(cfg.training.datasets):
         folder = resolve_path(entry.path)

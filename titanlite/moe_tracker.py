@@ -48,6 +48,7 @@ class MoETracker:
         self.stage_group = stage_group
         self.n_layers = n_layers
         self.balancing = any(m.bias_update_rate > 0 for m in layers)
+        self.no_layers: torch.Tensor | None = None  # a stage's empty rows (see ``of``)
         self.set_global_batch(global_batch)
         self.discard()  # forwards before the first step (a pipeline's warm-up) do not count
 
@@ -63,9 +64,25 @@ class MoETracker:
 
     @classmethod
     def of(cls, parts: list[nn.Module], group: Any, **settings: Any) -> MoETracker | None:
-        """The tracker of the MoE layers of ``parts`` (None when there are none)."""
+        """The tracker of the MoE layers of ``parts`` (None when the model has none)."""
         layers = cls.find(parts)
-        return cls(layers, group, **settings) if layers else None
+        if layers:
+            return cls(layers, group, **settings)
+        # Under pipeline parallelism a rank may hold only dense blocks (DeepSeek-V3's first
+        # ones) of a mixture-of-experts model: it still joins the stages' metrics gathering.
+        experts = getattr(getattr(parts[0], "args", None), "num_experts", 0)
+        if settings.get("stage_group") is None or not experts:
+            return None
+        tracker = cls([], group, **settings)
+        device = next(parts[0].parameters()).device
+        tracker.no_layers = torch.zeros(0, experts + 3, device=device)
+        return tracker
+
+    @staticmethod
+    def layer_count(args: Any) -> int:
+        """Layer numbers a model's MoE layers may have: its blocks', then its multi-token
+        prediction depths' (``titanlite.models.mtp``)."""
+        return args.n_layers + getattr(args, "mtp_layers", 0)
 
     @staticmethod
     def find(parts: list[nn.Module]) -> list[MoE]:
@@ -77,6 +94,8 @@ class MoETracker:
 
     def _take(self) -> torch.Tensor | None:
         """[layers, experts + 3] of the step's training forwards; the layers start afresh."""
+        if not self.layers:
+            return self.no_layers
         rows = [m.totals for m in self.layers]
         for m in self.layers:
             m.totals = None
@@ -90,7 +109,7 @@ class MoETracker:
         step = self._take()
         if step is None or not (self.balancing or log):
             return None
-        if self.group is not None and dist.get_world_size(self.group) > 1:
+        if self.layers and self.group is not None and dist.get_world_size(self.group) > 1:
             dist.all_reduce(step, group=self.group)
         counts = step[:, :-3]
         if self.balancing and update:

@@ -111,7 +111,7 @@ class Trainer:
         self.moe = MoETracker.of(
             self.model.parts, self.dims.group("tokens"), global_batch=self.global_batch,
             grad_weight=self.dims.grad_average_size, stage_group=self.stage_group,
-            n_layers=self.model_args.n_layers, seq_len=t.seq_len,
+            n_layers=MoETracker.layer_count(self.model_args), seq_len=t.seq_len,
         )  # fmt: skip
         self.startup.mark("model")
 

@@ -163,7 +163,10 @@ def family_of(config: Mapping[str, Any]) -> tuple[ModelSpec, ModuleType]:
     archs = config.get("architectures") or []
     for spec in models.REGISTRY.values():
         adapter = spec.hf_adapter()
-        if config.get("model_type") == adapter.HF_MODEL_TYPE or adapter.HF_ARCHITECTURE in archs:
+        # An adapter may read more than its own model type (deepseek_v3: DeepSeek-V2's too).
+        reads = {adapter.HF_MODEL_TYPE: adapter.HF_ARCHITECTURE}
+        reads |= getattr(adapter, "HF_ALSO_READS", {})
+        if config.get("model_type") in reads or any(a in archs for a in reads.values()):
             return spec, adapter
     known = ", ".join(s.hf_adapter().HF_ARCHITECTURE for s in models.REGISTRY.values())
     found = config.get("model_type") or archs

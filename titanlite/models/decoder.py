@@ -143,7 +143,8 @@ class Decoder(nn.Module):
         """Token ids -> logits (in training with ``mtp_layers`` depths [batch, (1 + depths) x
         seq, vocab]: the main logits, then each depth's, ``titanlite.models.mtp``); a pipeline
         stage (some modules set to None) maps its input (ids, or the hidden states of the
-        stage before) to its output the same way.
+        stage before, in training with depths joined with the look-ahead embeddings) to its
+        output the same way.
 
         ``positions`` ([seq], or [batch, seq]) are the tokens' RoPE positions when they are
         not 0, 1, ... (a context-parallel rank holds chunks of a longer sequence; positions
@@ -153,22 +154,31 @@ class Decoder(nn.Module):
         places later in the whole sequence at each token (default: ``tokens_ahead`` of
         ``tokens``; a context-parallel rank's chunks cannot look past their own ends).
         """
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        # Training with multi-token prediction: the embeddings of the tokens each depth looks
+        # ahead to are taken where the embedding is (a pipeline's first stage) and travel with
+        # the hidden state, joined along the last dimension, to the depths (its last stage).
+        depths = getattr(self.args, "mtp_layers", 0) if self.training else 0
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(tokens)
+            later = [tokens_ahead(tokens, d) if ahead is None else ahead[d - 1]
+                     for d in range(1, depths + 1)]  # fmt: skip
+            embedded = [self.tok_embeddings(ids) for ids in later]
+        else:
+            h, *embedded = tokens.split(self.args.dim, dim=-1) if depths else (tokens,)
         rope = self.rope if positions is None else self.rope[positions]
         for layer in self.layers.values():
             h = layer(h, rope, documents=documents)
         if self.output is None:
-            return h
+            return torch.cat([h, *embedded], dim=-1) if embedded else h
         logits = self.output(self.norm(h)).float()
-        if self.mtp is None or not self.training:
+        if self.mtp is None or not depths:
             return logits
-        # Training with multi-token prediction: each depth's logits follow along the sequence.
-        depth_logits = []
-        for d, depth in enumerate(self.mtp.values(), start=1):
-            later = tokens_ahead(tokens, d) if ahead is None else ahead[d - 1]
-            h = depth(self.tok_embeddings(later), h, rope, documents)
-            depth_logits.append(self.output(depth.norm(h)).float())
-        return torch.cat([logits, *depth_logits], dim=1)
+        # Each depth's logits follow the main ones along the sequence.
+        predicted = []
+        for e, depth in zip(embedded, self.mtp.values(), strict=True):
+            h = depth(e, h, rope, documents)
+            predicted.append(self.output(depth.norm(h)).float())
+        return torch.cat([logits, *predicted], dim=1)
 
     def init_buffers(self) -> None:
         """Recompute the RoPE tables on the model's device (after to_empty from meta) and

@@ -98,8 +98,10 @@ class ParallelModel:
         ``LossSum``; under pipeline parallelism the micro-batch's, the same on every stage)."""
         with self._train_context():
             if self.pipeline is not None:  # forward and backward in every stage
-                return self.pipeline.forward_backward(inputs, labels, scale)
-            objective, terms = self.loss_sum(self(inputs), self._training_labels(inputs, labels))
+                return self.pipeline.forward_backward(
+                    inputs, self.training_labels(inputs, labels), scale
+                )
+            objective, terms = self.loss_sum(self(inputs), self.training_labels(inputs, labels))
             (objective * scale).backward()  # MoE layers add their balancing loss's gradient
         return terms
 
@@ -153,7 +155,7 @@ class ParallelModel:
         chunks under CP): what to count target tokens in."""
         return labels if self.context is None else self.context.shard(labels)
 
-    def _training_labels(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def training_labels(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """This rank's labels, with each MTP depth's targets when the model has depths (no
         target across a document boundary under training.document_mask)."""
         if not self.mtp_depths:

@@ -175,5 +175,7 @@ def parallelize(
             # The schedule's first step also runs the stages on placeholder tensors to infer
             # shapes; layers that count what their forwards see (routing) must not count
             # those in a real step: one step of zeros now, its gradients dropped.
-            result.pipeline.warm_up(t.local_batch_size, t.seq_len, device)
+            result.pipeline.warm_up(
+                t.local_batch_size, t.seq_len, device, forward_backward=result.forward_backward
+            )
     return result

@@ -177,13 +177,21 @@ class Pipeline:
         dist.all_reduce(terms, dist.ReduceOp.SUM, group=self.group)  # from the last stage
         return terms
 
-    def warm_up(self, batch: int, seq_len: int, device: torch.device) -> None:
+    def warm_up(
+        self,
+        batch: int,
+        seq_len: int,
+        device: torch.device,
+        forward_backward: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None,
+    ) -> None:
         """One forward and backward of a batch of zeros, gradients dropped: the schedule's
         first step also runs its stages on placeholder tensors to infer shapes, and a layer
         that keeps statistics of its forwards (a mixture of experts) must not count those
-        in a real step."""
+        in a real step. ``forward_backward`` runs it as a real step does
+        (``ParallelModel.forward_backward``: under its loss-parallel context, with the
+        multi-token prediction depths' labels); default this pipeline's own."""
         tokens = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
-        self.forward_backward(tokens, tokens, 0.0)
+        (forward_backward or self.forward_backward)(tokens, tokens, 0.0)
         for module in self.local.values():
             for param in module.parameters():
                 param.grad = None

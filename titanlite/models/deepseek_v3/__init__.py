@@ -112,4 +112,6 @@ SPEC = dataclasses.replace(
     active_params=active_params,
     tp_divisible=tp_divisible,
     experts=True,
+    # Multi-token prediction depths run after the last block: on the last pipeline stage.
+    output_modules=("norm", "output", "mtp"),
 )

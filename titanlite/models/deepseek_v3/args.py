@@ -173,12 +173,13 @@ FLAVORS: dict[str, DeepseekV3Args] = {
         first_k_dense=3, num_experts=256, top_k=8, moe_hidden_dim=2048, shared_experts=1,
         n_groups=8, topk_groups=4, route_scale=2.5, **_YARN_40,
     ),
-    # Kimi K2 (Moonshot AI): DeepSeek-V3's architecture, 384 experts, 64 heads, one dense block.
+    # Kimi K2 (Moonshot AI): DeepSeek-V3's architecture, 384 experts, 64 heads, one dense block;
+    # its YaRN keeps no dimension unstretched (beta_fast = beta_slow = 1 in its config.json).
     "kimi_k2": DeepseekV3Args(
         dim=7168, n_layers=61, n_heads=64, q_lora_rank=1536, **_MLA, dense_hidden_dim=18432,
         first_k_dense=1, num_experts=384, top_k=8, moe_hidden_dim=2048, shared_experts=1,
         n_groups=1, topk_groups=1, route_scale=2.827, rope_theta=50_000.0, rope_factor=32.0,
-        rope_original_seq_len=4096,
+        rope_original_seq_len=4096, rope_beta_fast=1.0, rope_beta_slow=1.0,
     ),
 }  # fmt: skip
 

@@ -15,8 +15,13 @@ DeepSeek-V3), as the published checkpoints keep it: the block's usual names plus
 (``embed_tokens``, ``shared_head.head``; import takes the model's own).
 ``DeepseekV3ForCausalLM`` skips that block when it loads (a warning names its tensors).
 
-What Hugging Face's DeepSeek-V3 cannot express is refused on export: softmax scores (it is
-sigmoid only) and a capacity factor (it is dropless).
+Softmax-scored models (the 16B flavor, DeepSeek-V2-Lite's shape) are written as
+``DeepseekV2ForCausalLM`` (``model_type`` "deepseek_v2"), whose weights are named as
+DeepSeek-V3's and whose router is softmax top-k times ``routed_scaling_factor`` ("greedy");
+its folders import back. What the target cannot express is refused on export: for either, a
+capacity factor (both are dropless); for DeepSeek-V2, group-limited routing (it rates a group by
+its best score, titanlite by its two best), renormalized weights (its router never
+renormalizes), a routing bias and multi-token prediction (it has neither).
 """
 
 from __future__ import annotations
@@ -34,6 +39,11 @@ from titanlite.models.qwen3_moe.hf import PROJECTIONS
 
 HF_MODEL_TYPE = "deepseek_v3"
 HF_ARCHITECTURE = "DeepseekV3ForCausalLM"
+V2_MODEL_TYPE = "deepseek_v2"
+V2_ARCHITECTURE = "DeepseekV2ForCausalLM"
+HF_ALSO_READS = {V2_MODEL_TYPE: V2_ARCHITECTURE}
+"""Other model types (-> architecture) this adapter reads: DeepSeek-V2's, for softmax scores."""
+BIAS = "feed_forward.expert_bias"
 
 ATTENTION_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -62,18 +72,29 @@ def layer_names(args: DeepseekV3Args, layer: int) -> dict[str, str]:
     unused = ("attention.wq.",) if args.q_lora_rank else ("attention.wq_a", "attention.q_norm",
                                                          "attention.wq_b")  # fmt: skip
     names = {k: v for k, v in ATTENTION_NAMES.items() if not k.startswith(unused)}
-    return names | (DENSE_NAMES if layer < args.first_k_dense else MOE_NAMES)
+    if layer < args.first_k_dense:
+        return names | DENSE_NAMES
+    return names | {k: v for k, v in MOE_NAMES.items() if not (k == BIAS and is_v2(args))}
+
+
+def is_v2(args: DeepseekV3Args) -> bool:
+    """Softmax scores: written and read as DeepSeek-V2 (DeepSeek-V3's router is sigmoid only)."""
+    return args.score_func == "softmax"
 
 
 def _refuse_what_hf_lacks(args: DeepseekV3Args) -> None:
-    lacking = {
-        "score_func": (args.score_func, "sigmoid"),
-        "capacity_factor": (args.capacity_factor, 0.0),
-    }
+    lacking: dict[str, tuple[Any, Any]] = {"capacity_factor": (args.capacity_factor, 0.0)}
+    if is_v2(args):
+        lacking |= {
+            "n_groups": (args.n_groups, 1),
+            "norm_topk": (args.norm_topk, False),
+            "mtp_layers": (args.mtp_layers, 0),
+        }
+    target = "DeepSeek-V2 (softmax scores)" if is_v2(args) else "DeepSeek-V3"
     for key, (value, plain) in lacking.items():
         if value != plain:
             raise UserError(
-                f"model.{key}={value!r}: Hugging Face's DeepSeek-V3 has no such option "
+                f"model.{key}={value!r}: Hugging Face's {target} has no such option "
                 f"(needs {plain!r}), so this model cannot be exported to it"
             )
 
@@ -126,6 +147,13 @@ def to_hf_state_dict(
         elif rest.startswith("feed_forward.experts."):
             for e, matrix in enumerate(tensor.detach()):  # [in, out] -> HF's [out, in]
                 put(f"{prefix}mlp.experts.{e}.{PROJECTIONS[rest[-2:]]}.weight", matrix.t())
+        elif rest == BIAS and is_v2(args):
+            if tensor.detach().abs().max() > 0:
+                raise UserError(
+                    f"{ours}{BIAS} is not zero: Hugging Face's DeepSeek-V2 (softmax scores) "
+                    "has no routing bias, so this model cannot be exported to it (train it "
+                    "with model.bias_update_rate 0)"
+                )
         elif rest != "attention.wk_rope.weight":
             put(prefix + layer_names(args, layer)[rest], tensor)
     embedding = state["tok_embeddings.weight"]  # the output head too when tied
@@ -175,6 +203,8 @@ def from_hf_state_dict(
             )
             for name, tensor in experts.items():
                 out[ours + name] = tensor
+            if is_v2(args):  # DeepSeek-V2 routes without a bias
+                out[ours + BIAS] = torch.zeros(args.num_experts)
     for d in range(args.mtp_layers):
         prefix = f"model.layers.{args.n_layers + d}."
         for name, hf in MTP_NAMES.items():
@@ -199,6 +229,10 @@ def _rope_parameters(args: DeepseekV3Args) -> dict[str, Any]:
     }  # fmt: skip
 
 
+V2_ROUTING = dict(score_func="softmax", n_groups=1, topk_groups=1, bias_update_rate=0.0)
+"""DeepSeek-V2's "greedy" routing as titanlite's options (no groups; no routing bias)."""
+
+
 def to_hf_config(
     args: DeepseekV3Args,
     special_ids: Mapping[str, int | None] | None = None,
@@ -206,7 +240,7 @@ def to_hf_config(
 ) -> dict[str, Any]:
     _refuse_what_hf_lacks(args)
     rope = _rope_parameters(args)
-    return {
+    config = {
         "architectures": [HF_ARCHITECTURE],
         "model_type": HF_MODEL_TYPE,
         **decoder_hf.common_hf_config(args, special_ids or {}, dtype),
@@ -232,12 +266,26 @@ def to_hf_config(
         "topk_method": "noaux_tc",
         "num_nextn_predict_layers": args.mtp_layers,
     }
+    if is_v2(args):  # DeepSeek-V2: softmax top-k without groups, bias or MTP; RoPE interleaved
+        for key in ("rope_interleave", "num_nextn_predict_layers"):
+            del config[key]
+        config |= {
+            "architectures": [V2_ARCHITECTURE], "model_type": V2_MODEL_TYPE,
+            "topk_method": "greedy", "n_group": None, "topk_group": None,
+        }  # fmt: skip
+    return config
 
 
 def from_hf_config(config: Mapping[str, Any]) -> DeepseekV3Args:
-    """DeepseekV3Args of an HF DeepSeek-V3 ``config.json``; UserError for what titanlite
-    can't run."""
-    decoder_hf.require_family(config, HF_MODEL_TYPE, HF_ARCHITECTURE)
+    """DeepseekV3Args of an HF DeepSeek-V3 (or DeepSeek-V2) ``config.json``; UserError for
+    what titanlite can't run."""
+    v2 = config.get("model_type") == V2_MODEL_TYPE or V2_ARCHITECTURE in (
+        config.get("architectures") or []
+    )
+    if v2:
+        decoder_hf.require_family(config, V2_MODEL_TYPE, V2_ARCHITECTURE)
+    else:
+        decoder_hf.require_family(config, HF_MODEL_TYPE, HF_ARCHITECTURE)
     rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
 
@@ -252,6 +300,11 @@ def from_hf_config(config: Mapping[str, Any]) -> DeepseekV3Args:
                 rope_mscale=float(rope.get("mscale") or 1.0),
                 rope_mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
             )
+        routing = dict(
+            norm_topk=bool(config.get("norm_topk_prob", not v2)),
+            n_groups=int(config.get("n_group") or 1),
+            topk_groups=int(config.get("topk_group") or 1),
+        )
         return DeepseekV3Args(
             dim=int(config["hidden_size"]),
             n_layers=int(config["num_hidden_layers"]),
@@ -272,24 +325,25 @@ def from_hf_config(config: Mapping[str, Any]) -> DeepseekV3Args:
             top_k=int(config["num_experts_per_tok"]),
             moe_hidden_dim=int(config["moe_intermediate_size"]),
             shared_experts=int(config.get("n_shared_experts") or 0),
-            norm_topk=bool(config.get("norm_topk_prob", True)),
-            n_groups=int(config.get("n_group") or 1),
-            topk_groups=int(config.get("topk_group") or 1),
             route_scale=float(config.get("routed_scaling_factor", 1.0)),
             mtp_layers=int(config.get("num_nextn_predict_layers") or 0),
             **yarn,
+            **(routing | V2_ROUTING if v2 else routing),
         )
 
     args = decoder_hf.read_fields(config, build)
     supported = {  # key: (the config's value, the values titanlite runs)
         "rope_interleave": (bool(config.get("rope_interleave", True)), (True,)),
         "rope_type": (rope_type, ("default", "yarn")),
-        "scoring_func": (config.get("scoring_func", "sigmoid"), ("sigmoid",)),
+        "scoring_func": (config.get("scoring_func", "softmax" if v2 else "sigmoid"),
+                         ("softmax",) if v2 else ("sigmoid",)),
         "num_key_value_heads": (int(config.get("num_key_value_heads") or args.n_heads),
                                 (args.n_heads,)),
         "hidden_act": (config.get("hidden_act", "silu"), ("silu",)),
         "attention_bias": (bool(config.get("attention_bias", False)), (False,)),
     }  # fmt: skip
+    if v2:  # titanlite rates a group by its two best scores, DeepSeek-V2 by its best
+        supported["topk_method"] = (config.get("topk_method", "greedy"), ("greedy",))
     for key, (value, runs) in supported.items():
         if value not in runs:
             raise UserError(f"config.json {key}={value!r} is not supported (needs {runs[0]!r})")

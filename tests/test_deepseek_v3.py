@@ -453,3 +453,30 @@ def test_expert_parallel_checkpoint_resumes_in_one_process(tmp_path: Path) -> No
         worst = max(abs(got[s] - want[s]) / want[s] for s in got)
         print(f"deepseek_v3 ep 2 -> 1 process resume, worst relative {key} difference: {worst:.2e}")
         assert worst <= 1e-5, (key, want, got)
+
+
+@pytest.mark.slow
+def test_the_shipped_debug_config_learns_on_one_and_four_ranks(tmp_path: Path) -> None:
+    """train_configs/deepseek_v3_debug.toml as shipped but short (12 steps of 64 tokens, no
+    validation or checkpoints) with one MTP depth: the loss falls by more than a fifth on one
+    rank and on four (ep 2 within dp_shard 4, the same global batch of 8), and the two agree."""
+    from train_scenarios import by_step as records_by_step
+    from train_scenarios import on_pool
+
+    short = ["--job.config_file", str(REPO / "train_configs" / "deepseek_v3_debug.toml"),
+             "--training.steps", "12", "--training.seq_len", "64", "--metrics.log_freq", "1",
+             "--validation.enable", "false", "--checkpoint.enable", "false",
+             "--model.mtp_layers", "1"]  # fmt: skip
+    runs = [
+        on_pool(1, [*short, "--job.dump_folder", str(tmp_path / "one")]),
+        on_pool(4, [*short, "--job.dump_folder", str(tmp_path / "four"),
+                        "--training.local_batch_size", "2",
+                        "--parallelism.expert_parallel_degree", "2"]),
+    ]  # fmt: skip
+    curves = [[r["loss"] for r in records_by_step(run["records"]).values()] for run in runs]
+    for curve in curves:
+        assert len(curve) == 12 and curve[-1] < 0.8 * curve[0], curve
+    worst = max(abs(a - b) / a for a, b in zip(*curves, strict=True))
+    print(f"deepseek_v3_debug.toml: loss {curves[0][0]:.2f} -> {curves[0][-1]:.2f}; "
+          f"4 ranks against 1: {worst:.1e}")  # fmt: skip
+    assert worst <= 1e-5

@@ -15,7 +15,9 @@
 # 8B-float8"; also 1B-tensorwise, 8B-tensorwise and moe, moe-float8: Qwen3 30B-A3B's blocks
 # (4 of 48) with float8 linears and float8 grouped-matmul experts). Exit status 2 without a
 # CUDA GPU, 1 when a run fails. With flash-linear-attention installed it first compares that
-# package's gated delta rule kernel with titanlite's plain one (scripts/check_fla.py).
+# package's gated delta rule kernel with titanlite's plain one (scripts/check_fla.py); it then
+# compares the sliding-window/sink FlexAttention path with the explicit kernel
+# (scripts/check_flex.py).
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 py="$("$repo/scripts/setup_env.sh")"
@@ -59,6 +61,8 @@ done_runs="" failed=""
 if "$py" -c 'import fla' 2>/dev/null; then  # the Gated DeltaNet kernel, where installed
   "$py" "$repo/scripts/check_fla.py" || failed="$failed check_fla"
 fi
+# The masked core's FlexAttention path (windows, sinks, documents) against the explicit kernel.
+"$py" "$repo/scripts/check_flex.py" || failed="$failed check_flex"
 for run in $runs; do
   echo "gpu_check: $run" >&2
   # Any device-to-host sync inside a step (there should be none) is reported as a warning.

@@ -1,6 +1,7 @@
 """Sliding-window attention and attention sinks (``model.sliding_window``,
 ``model.window_pattern``, ``model.attention_sinks``): against full attention and a dense
-reference, their reach, their composition with document masking, FLOPs, and config errors.
+reference, their reach, their composition with document masking, the FlexAttention path
+against the explicit kernel (``model.attention_kernel``), FLOPs, and config errors.
 Parity under context and tensor parallelism is in test_parity.py."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 
 from titanlite import preflight
 from titanlite.models import get
-from titanlite.models.attention import CausalAttention, MaskedAttention, banded_attention
+from titanlite.models.attention import CausalAttention, MaskedAttention, banded_attention, flex
 from titanlite.models.decoder import Decoder
 from titanlite.models.init import init_parameters
 
@@ -108,6 +109,63 @@ def test_gradients_equal_the_dense_reference() -> None:
     assert grads[0][3].abs().min() > 0  # every sink gets a gradient
 
 
+def test_flex_path_equals_the_explicit_kernel() -> None:
+    """Outputs and gradients (queries, keys, values, sinks), float64, grouped keys (4 query
+    heads over 2): the whole sequence; a context-parallel rank's two chunks over all keys; a
+    windowed chunk over only the keys its window reaches, positions counted from the first."""
+    q, k, v = qkv()
+    documents = torch.tensor([[0] * 13 + [1] * 20 + [2] * 7, [0] * 40])
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float64)
+    two = torch.cat([q[:, :, 0:10], q[:, :, 30:40]], 2)
+    cases = [  # (queries, keys, values, chunks, documents, sinks)
+        (q, k, v, [(0, 40)], documents, sinks),
+        (q, k, v, [(0, 40)], None, None),
+        (two, k, v, [(0, 10), (30, 10)], documents, sinks),
+        (q[:, :, 30:], k[:, :, 25:], v[:, :, 25:], [(5, 10)], documents[:, 25:], sinks),
+    ]
+    for rows, keys, values, chunks, docs, sink in cases:
+        leaves = [t.clone().requires_grad_() for t in (rows, keys, values)]
+        leaves += [sink.clone().requires_grad_()] if sink is not None else []
+        weights = torch.randn(rows.shape, generator=torch.Generator().manual_seed(4),
+                              dtype=torch.float64)  # fmt: skip
+        results = []
+        for attend in (banded_attention, flex.flex_masked_attention):
+            out = attend(*leaves[:3], chunks, window=6, sinks=leaves[3] if sink is not None
+                         else None, documents=docs)  # fmt: skip
+            results.append([out, *torch.autograd.grad((out * weights).sum(), leaves)])
+        for got, want in zip(*results, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        assert results[1][-1].abs().min() > 0  # every sink (or value) gets a gradient
+
+
+def test_attention_kernel_picks_flex_on_cuda_and_logs_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    assert flex.uses_flex("auto", torch.device("cuda"))
+    assert not flex.uses_flex("auto", torch.device("cpu"))
+    assert not flex.uses_flex("explicit", torch.device("cuda"))
+    assert flex.uses_flex("flex", torch.device("cpu"))
+    assert flex.describe("auto", cuda=True).startswith("FlexAttention (compiled")
+    assert flex.describe("flex", cuda=True).startswith("FlexAttention (compiled")
+    tokens = torch.randint(0, 61, (2, 48), generator=torch.Generator().manual_seed(5))
+    logits = {}
+    for kernel in ("auto", "flex"):
+        caplog.clear()
+        flex._masks.clear()
+        with caplog.at_level("INFO", logger="titanlite.models.attention"):
+            model = tiny(2, sliding_window=8, window_pattern="LG", attention_sinks=True,
+                         attention_kernel=kernel)  # fmt: skip
+        logits[kernel] = model(tokens)
+        line = next(r.getMessage() for r in caplog.records if "attention: 2 of 2" in r.getMessage())
+        if kernel == "auto":  # this CPU machine: the explicit kernel, and why
+            assert "run the blocked explicit kernel" in line and "no CUDA device" in line, line
+            assert not flex._masks  # flex never ran
+        else:
+            assert "FlexAttention's dense reference" in line, line
+            assert flex._masks  # flex built its block masks
+    torch.testing.assert_close(logits["flex"], logits["auto"], rtol=0, atol=1e-12)
+
+
 def test_tokens_beyond_the_window_do_not_change_later_logits() -> None:
     """One attention layer, window w: position t sees tokens t - w + 1 .. t only."""
     w, t = 5, 30
@@ -159,6 +217,7 @@ def _shape(args) -> dict[str, int]:  # noqa: ANN001
     [
         ("window_pattern", "LXG", "window_pattern must be a string of L (local) and G"),
         ("sliding_window", "-1", "sliding_window must be >= 0"),
+        ("attention_kernel", "fast", "model.attention_kernel"),
     ],
 )
 def test_bad_attention_options_are_one_line_errors(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from titanlite.models.spec import InitRule, ModelSpec, TensorParallelPlan
 
@@ -28,6 +28,8 @@ class AttentionVariants:
     """Which layers are local (L, sliding window) and which global (G, full attention): the string repeated over the layers from layer 0. "LG" alternates starting local (gpt-oss), "LLLG" is 3 local : 1 global; "L" = every layer local."""
     attention_sinks: bool = False
     """A learned logit per query head joins every softmax row and attends to nothing (gpt-oss's sinks)."""
+    attention_kernel: Literal["auto", "explicit", "flex"] = "auto"
+    """The kernel of the layers with a sliding window or sinks: "auto" runs FlexAttention (compiled) on CUDA and titanlite's blocked explicit kernel elsewhere; "explicit" or "flex" forces one (flex off CUDA is its dense reference: tests only)."""
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of block ``layer`` (None: full causal attention)."""
@@ -47,7 +49,7 @@ class AttentionVariants:
             )
 
 
-ATTENTION_OVERRIDES = ("sliding_window", "window_pattern", "attention_sinks")
+ATTENTION_OVERRIDES = ("sliding_window", "window_pattern", "attention_sinks", "attention_kernel")
 """The config keys of ``AttentionVariants`` (each family lists them in its overrides)."""
 
 # Megatron-style TP with sequence parallelism: column-wise q/k/v and gate/up projections,

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from titanlite.models.attention import fla_rule
+from titanlite.models.attention import fla_rule, flex
 from titanlite.models.attention.causal import CausalAttention
 from titanlite.models.attention.gated_delta import GatedDeltaAttention
 from titanlite.models.attention.kernels import chunk_attention, document_attention
@@ -70,13 +70,19 @@ def for_layer(args: Any, layer: int) -> AttentionCore:
     window = args.layer_window(layer)
     if window is None and not args.attention_sinks:
         return build(args.attention)
-    return build("masked", window=window, sink_heads=args.n_heads if args.attention_sinks else 0)
+    return build(
+        "masked",
+        window=window,
+        sink_heads=args.n_heads if args.attention_sinks else 0,
+        kernel=args.attention_kernel,
+    )
 
 
 def log_choice(cores: list[AttentionCore]) -> None:
     """Log which kernel the layers' attention runs on, when some layer has a window or sinks
-    or is Gated DeltaNet (whose kernel is chosen per call: CUDA tensors and an importable
-    flash-linear-attention; the line says what a run on this machine's device gets)."""
+    (FlexAttention on CUDA, the blocked explicit kernel elsewhere: ``flex.describe``) or is
+    Gated DeltaNet (whose kernel is chosen per call: CUDA tensors and an importable
+    flash-linear-attention); the line says what a run on this machine's device gets."""
     linear = [c for c in cores if isinstance(c, GatedDeltaAttention)]
     if linear:
         logger.info(
@@ -84,9 +90,10 @@ def log_choice(cores: list[AttentionCore]) -> None:
             len(linear), len(cores),
             fla_rule.describe(linear[0].kernel, cuda=torch.cuda.is_available()),
         )  # fmt: skip
-    masked = [c.mask for c in cores if isinstance(c, MaskedAttention)]
-    if not masked:
+    masked_cores = [c for c in cores if isinstance(c, MaskedAttention)]
+    if not masked_cores:
         return
+    masked = [c.mask for c in masked_cores]
     windowed = [m.window for m in masked if m.window is not None]
     what = ", ".join(
         part for part in (
@@ -96,8 +103,8 @@ def log_choice(cores: list[AttentionCore]) -> None:
     ) + (", with sinks" if masked[0].sink else "")  # fmt: skip
     rest = len(cores) - len(masked)
     logger.info(
-        "attention: %d of %d layers (%s) run the blocked explicit kernel (the band of keys "
-        "each block of queries reaches; fused SDPA takes no band or sink column and "
-        "FlexAttention compiles for tens of seconds on a CPU)%s",
-        len(masked), len(cores), what, f"; {rest} run causal SDPA" if rest else "",
+        "attention: %d of %d layers (%s) run %s%s",
+        len(masked), len(cores), what,
+        flex.describe(masked_cores[0].kernel, cuda=torch.cuda.is_available()),
+        f"; {rest} run causal SDPA" if rest else "",
     )  # fmt: skip

@@ -11,7 +11,8 @@ Why an explicit kernel: PyTorch's fused SDPA kernels take neither a band mask wi
 materializing it nor an extra softmax column, and FlexAttention on a CPU build runs as a
 reference implementation over the whole square. Blocking the queries keeps the explicit
 kernel at the band's cost, on every device, and its autograd is exact in any dtype (logits
-and softmax in float32 at least).
+and softmax in float32 at least). On CUDA the core runs FlexAttention instead
+(``titanlite.models.attention.flex``), unless ``model.attention_kernel`` says otherwise.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from titanlite.models.attention.flex import flex_masked_attention, uses_flex
 from titanlite.models.attention.kernels import QUERY_BLOCK, record_max_logits
 from titanlite.models.interfaces import AttentionCore, Mask
 
@@ -78,12 +80,15 @@ def banded_attention(
 class MaskedAttention(AttentionCore):
     """Causal attention with a sliding ``window`` (None = none) and, given ``sink_heads``,
     a learned sink per query head (``sinks``: split with the heads under tensor
-    parallelism)."""
+    parallelism); ``kernel`` as ``model.attention_kernel`` (``flex.KERNELS``)."""
 
-    def __init__(self, *, window: int | None = None, sink_heads: int = 0) -> None:
+    def __init__(
+        self, *, window: int | None = None, sink_heads: int = 0, kernel: str = "auto"
+    ) -> None:
         super().__init__()
         self.mask = Mask(causal=True, window=window, sink=sink_heads > 0)
         self.sinks = nn.Parameter(torch.empty(sink_heads)) if sink_heads else None
+        self.kernel = kernel
 
     def attend(
         self,
@@ -100,6 +105,7 @@ class MaskedAttention(AttentionCore):
         sinks = self.sinks
         if sinks is not None and hasattr(sinks, "to_local"):  # split with the heads (TP)
             sinks = sinks.to_local()
-        return banded_attention(
-            q, k, v, chunks, window=self.mask.window, sinks=sinks, documents=documents
-        )
+        attention = banded_attention
+        if uses_flex(self.kernel, q.device):
+            attention = flex_masked_attention
+        return attention(q, k, v, chunks, window=self.mask.window, sinks=sinks, documents=documents)

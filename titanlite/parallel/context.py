@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from titanlite.models.interfaces import AttentionCore, find
-from titanlite.parallel.expert import _AllToAll
+from titanlite.parallel.expert import AllToAll
 
 logger = logging.getLogger(__name__)
 
@@ -260,7 +260,7 @@ class ContextParallel:
         source = kv
         if any(plan.send_counts) or any(plan.recv_counts):  # a window of 1 reaches no other
             sent = kv.index_select(0, plan.send)
-            received = _AllToAll.apply(sent, plan.recv_counts, plan.send_counts, self.group)
+            received = AllToAll.apply(sent, plan.recv_counts, plan.send_counts, self.group)
             source = torch.cat([kv, received])
         c = q.shape[2] // 2
         outs = []

@@ -26,7 +26,7 @@ from titanlite.models.interfaces import RoutedExperts, find
 logger = logging.getLogger(__name__)
 
 
-class _AllToAll(torch.autograd.Function):
+class AllToAll(torch.autograd.Function):
     """Rows to other ranks (``send[r]`` of them to rank r, ``recv[r]`` from it); its backward
     sends the gradients the opposite way. torch.distributed.nn.functional's version of this is
     deprecated as of torch 2.13."""
@@ -68,7 +68,7 @@ def expert_parallel(
     by_source = received.view(degree, local)  # [source rank, local expert]
     send = counts.view(degree, local).sum(1).tolist()
     recv = by_source.sum(1).tolist()
-    rows = _AllToAll.apply(x, recv, send, group)
+    rows = AllToAll.apply(x, recv, send, group)
     # Row j of the expert-major order is row index[j] of the source-major order.
     flat = by_source.reshape(-1)
     source_start = (torch.cumsum(flat, 0) - flat).view(degree, local).t().reshape(-1)
@@ -78,7 +78,7 @@ def expert_parallel(
     index = index + torch.arange(index.numel(), device=x.device)
     out = experts(rows[index], by_source.sum(0))
     back = out.new_zeros(out.shape).index_copy(0, index, out)
-    return _AllToAll.apply(back, send, recv, group)
+    return AllToAll.apply(back, send, recv, group)
 
 
 def apply_ep(model: nn.Module, mesh: DeviceMesh) -> list[RoutedExperts]:

@@ -136,8 +136,8 @@ def _attend(
     return out, lse * math.log(2.0)
 
 
-def _score(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor,
-           kv: torch.Tensor) -> torch.Tensor:  # fmt: skip
+def _score(score: torch.Tensor, *index: torch.Tensor) -> torch.Tensor:
+    """The identity score_mod (called with the batch, head, query and key indices)."""
     return score
 
 

@@ -294,20 +294,24 @@ def test_tied_embeddings_on_one_rank_with_the_v_schedule(tmp_path: Path, baselin
 def test_tied_embeddings_across_ranks_and_their_checkpoints(
     tmp_path: Path, baselines: dict
 ) -> None:
-    """1F1B at pp 2: the embedding (rank 0) and its copy as the output (rank 1) get the
-    summed gradient over the pair of ranks. Its checkpoint resumes in one process, and one
-    process's (optimizer state under the embedding's name only) resumes at pp 2."""
+    """1F1B at pp 2 x tp 2: the embedding (first stage) and its copy as the output (last
+    stage), both split along the vocabulary, get the summed gradient over each pair of ranks
+    (the embedding's comes back whole from tensor parallelism and is cut like its weight
+    first: summed whole against a shard, gloo aborted). Its checkpoint resumes in one
+    process, and one process's (optimizer state under the embedding's name only) resumes at
+    pp 2 x tp 2."""
     base_run, base = baselines["tied"]
     args = ["--model.n_layers", "4", "--training.local_batch_size", "4", *TIED]
-    pp2 = ["--parallelism.pipeline_parallel_degree", "2"]
+    pp2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.tensor_parallel_degree",
+           "2", "--parallelism.data_parallel_shard_degree", "1"]  # fmt: skip
     fresh = tmp_path / "pp2"
-    assert_close(run(2, fresh, *args, *pp2), base)
+    assert_close(run(4, fresh, *args, *pp2), base)
     one = tmp_path / "one"
     shutil.copytree(fresh / "checkpoint" / "step-4", one / "checkpoint" / "step-4")
     assert_close(run(1, one, *args), base, range(5, STEPS + 1))
     wide = tmp_path / "wide"
     shutil.copytree(base_run / "checkpoint" / "step-4", wide / "checkpoint" / "step-4")
-    assert_close(run(2, wide, *args, *pp2), base, range(5, STEPS + 1))
+    assert_close(run(4, wide, *args, *pp2), base, range(5, STEPS + 1))
 
 
 @pytest.mark.slow

@@ -123,14 +123,6 @@ def check(cfg: JobConfig, world_size: int) -> Tokenizer | None:
                     f"muon.qk_clip_threshold: {spec.name} normalizes each head's queries and "
                     "keys (qk-norm), which undoes QK-clip's scaling of wq and wk; leave it unset"
                 )
-            tied = getattr(args, "tie_embeddings", False)
-            if tied and degrees and degrees.pp > 1 and degrees.tp > 1:
-                problems.add(
-                    "model.tie_embeddings: tied embeddings do not run under pipeline and tensor "
-                    "parallelism together yet (the first stage's embedding and the last stage's "
-                    "output are split differently); set it to false, or pipeline_parallel_degree "
-                    "or tensor_parallel_degree to 1"
-                )
             if degrees and spec.experts:
                 if degrees.ep > 1 and args.num_experts % degrees.ep:
                     problems.add(

@@ -205,6 +205,13 @@ class Pipeline:
             for module in self.local.values():
                 grads = [p.grad for p in module.parameters() if p.grad is not None]
                 all_reduce_after_backward(grads, self.replica_group, divide_by=size)
+        for p in self.tied_params:
+            # Tensor parallelism splits both copies along the vocabulary, but the embedding's
+            # gradient comes back whole (Replicate): cut it like its weight before summing.
+            if p.grad is not None and getattr(p.grad, "placements", None) != getattr(
+                p, "placements", None
+            ):
+                p.grad = p.grad.redistribute(p.grad.device_mesh, p.placements)
         grads = [local_tensor(p.grad) for p in self.tied_params if p.grad is not None]
         if len(grads) == 2:  # both copies on this rank (the V schedules)
             total = grads[0] + grads[1]

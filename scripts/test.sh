@@ -2,7 +2,7 @@
 # Run titanlite's tests, installing what they need on first use (scripts/setup_env.sh --dev).
 #
 #   scripts/test.sh                 ruff and everything, on two pytest workers (time: BENCHMARKS.md)
-#   scripts/test.sh -m "not slow"   the fast subset (about 51 seconds, one worker)
+#   scripts/test.sh -m "not slow"   the fast subset (about 50 seconds, one worker)
 #   scripts/test.sh tests/test_ddp.py -x    any pytest arguments
 #
 # Also runs `ruff check` and `ruff format --check` on the whole repo when given no arguments.

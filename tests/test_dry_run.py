@@ -256,6 +256,7 @@ def test_moe_dry_run_all_to_all_bytes_follow_the_formula() -> None:
     assert "all-to-all      none" in report(1)
 
 
+@pytest.mark.slow  # a process start or a pool run: not for the fast subset
 def test_the_training_module_dry_runs_gpt_oss_120b_without_building_it(tmp_path: Path) -> None:
     """`python -m titanlite.train --job.dry_run` without the launcher prints the report and
     exits 0, as ./run_train.sh's preflight does. It used to start a Trainer instead: gpt-oss

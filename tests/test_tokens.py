@@ -557,6 +557,7 @@ def test_another_holdout_fraction_is_a_warning_not_a_new_split(tmp_path, tok, sp
 # --------------------------------------------------------------------------- split by rank
 
 
+@pytest.mark.slow  # a process start or a pool run: not for the fast subset
 def test_text_stream_split_by_rank_resumes_exactly_at_the_same_degree_only(tmp_path: Path):
     """training.split_by_rank on the built-in corpus, 2 ranks: the step-4 checkpoint (each
     rank's own position in DCP) resumes bit for bit; on 1 rank it is a one-line error, exit 2."""

@@ -18,6 +18,7 @@ from titanlite.models.qwen3_5 import flops_per_token as dense_flops_per_token
 from titanlite.models.qwen3_5 import init_rule as dense_init_rule
 from titanlite.models.qwen3_5 import tp_divisible
 from titanlite.models.qwen3_5_moe.args import FLAVORS, OVERRIDES, Qwen35MoeArgs
+from titanlite.models.qwen3_moe import active_params  # experts in every block
 from titanlite.models.spec import InitRule, ModelSpec, TensorParallelPlan
 
 TP_PLAN = TensorParallelPlan(
@@ -42,12 +43,6 @@ def flops_per_token(args: Qwen35MoeArgs, seq_len: int) -> int:
     and the shared expert gate's matmuls."""
     gates = args.num_experts + (1 if args.shared_expert_gate and args.shared_experts else 0)
     return dense_flops_per_token(args, seq_len) + 6 * args.n_layers * args.dim * gates
-
-
-def active_params(args: Qwen35MoeArgs, total: int) -> int:
-    """Parameters one token uses: all but the routed experts it is not sent to."""
-    unused = args.num_experts - args.top_k
-    return total - args.n_layers * unused * 3 * args.dim * args.moe_hidden_dim
 
 
 SPEC = ModelSpec(

@@ -44,9 +44,10 @@ def moe_flops_per_token(args: Any, seq_len: int) -> int:
 
 def active_params(args: Any, total: int) -> int:
     """Parameters one token uses: all but the experts it is not routed to (in the blocks
-    after the first ``first_k_dense``, which have none)."""
+    after the first ``first_k_dense``, which have none; families without the field have
+    experts in every block)."""
     unused = args.num_experts - args.top_k
-    moe_layers = args.n_layers - args.first_k_dense
+    moe_layers = args.n_layers - getattr(args, "first_k_dense", 0)
     return total - moe_layers * unused * 3 * args.dim * args.moe_hidden_dim
 
 

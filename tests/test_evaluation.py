@@ -141,9 +141,9 @@ def test_scores_equal_a_direct_computation(one_process) -> None:
 
 
 LAYOUTS = {
-    "dp_shard=2 x tp=2": (4, ["--parallelism.data_parallel_shard_degree", "2",
-                              "--parallelism.tensor_parallel_degree", "2",
-                              "--training.local_batch_size", "4"]),
+    # Tensor parallelism is the pipeline layout's; here the scoring batch split over dp ranks.
+    "dp_shard=2": (2, ["--parallelism.data_parallel_shard_degree", "2",
+                       "--training.local_batch_size", "4"]),
     "cp=2": (2, ["--parallelism.context_parallel_degree", "2"]),
     "pp=2 x tp=2": (4, ["--parallelism.pipeline_parallel_degree", "2",
                         "--parallelism.tensor_parallel_degree", "2",

@@ -176,6 +176,7 @@ def train(tmp_path_factory, name: str, *args: str, ngpu: int = 1) -> dict:
     run = get_pool(ngpu).run(train_scenarios.train, argv=argv)[0]
     assert [r["step"] for r in run["records"]] == list(range(1, STEPS + 1)), name
     assert run["info"]["converters"] == ["float8"]
+    run["folder"] = folder
     return run
 
 
@@ -244,15 +245,28 @@ LAYOUTS = {
                                 "--training.local_batch_size", "4"]),
 }  # fmt: skip
 MEASURED: dict[str, dict[str, float]] = {}
+SPLIT = "dp_shard=2 x tp=2"
+
+
+@pytest.fixture(scope="module")
+def split_run(tmp_path_factory) -> dict:
+    """The dp_shard=2 x tp=2 run, saving steps 4 and 8 (saving changes nothing it computes):
+    one of the layouts below, and the checkpoint the resume test starts from."""
+    _, ngpu, args = LAYOUTS[SPLIT]
+    resumable = ["--checkpoint.enable", "true", "--checkpoint.interval", "4"]
+    return train(tmp_path_factory, "split", *LLAMA, *args, *resumable, ngpu=ngpu)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_a_float8_layout_matches_one_process(layout, one_process, tmp_path_factory) -> None:
+def test_a_float8_layout_matches_one_process(layout, one_process, tmp_path_factory, request):
     key, ngpu, args = LAYOUTS[layout]
     model = MOE if key == "moe" else LLAMA
     name = layout.replace(" ", "").replace("=", "").replace(",", "_")
-    run = train(tmp_path_factory, name, *model, *args, ngpu=ngpu)
+    if layout == SPLIT:
+        run = request.getfixturevalue("split_run")
+    else:
+        run = train(tmp_path_factory, name, *model, *args, ngpu=ngpu)
     MEASURED[layout] = got = worst(curves(one_process[key]), curves(run))
     (tmp_path_factory.getbasetemp() / "float8_parity.json").write_text(json.dumps(MEASURED))
     assert all(d <= F8_RTOL for d in got.values()), (layout, got)
@@ -281,16 +295,15 @@ def test_checkpoints_load_with_and_without_float8(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_float8_run_resumes_across_layouts(one_process, tmp_path: Path) -> None:
+def test_a_float8_run_resumes_across_layouts(one_process, split_run, tmp_path: Path) -> None:
     """dp_shard=2 x tp=2 trains the 8 steps, saving step 4; one process resumes from that
     step-4 and trains 5-8: the loss and grad norm of every resumed step within F8_RTOL of the
     uninterrupted one-process run."""
     argv = [*COMMON, *FLOAT8, *LLAMA, "--checkpoint.enable", "true", "--checkpoint.interval", "4"]
-    split = ["--parallelism.data_parallel_shard_degree", "2",
-             "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"]  # fmt: skip
-    first, resumed = tmp_path / "first", tmp_path / "resumed"
-    get_pool(4).run(train_scenarios.train, argv=[*argv, *split, "--job.dump_folder", str(first)])
-    shutil.copytree(first / "checkpoint" / "step-4", resumed / "checkpoint" / "step-4")
+    resumed = tmp_path / "resumed"
+    shutil.copytree(
+        split_run["folder"] / "checkpoint" / "step-4", resumed / "checkpoint" / "step-4"
+    )
     pool = get_pool(1)
     run = pool.run(
         train_scenarios.train,

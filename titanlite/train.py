@@ -59,19 +59,28 @@ def record_status(lines: list[str], status: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     stop_signals.install()  # first: the imports below take seconds (torch)
+    from titanlite.config import help_text, parse_cli
+
+    try:
+        want_help, _ = parse_cli(argv)
+    except UserError as e:
+        return report_error(e, EXIT_USER_ERROR)
+    if want_help:  # from the config and the registries alone: no torch to import
+        sys.stdout.write(help_text() + "\n")
+        return EXIT_OK
+    return run(argv)
+
+
+def run(argv: list[str]) -> int:
+    """Load the config and train (or dry-run); an exit status of titanlite.errors."""
     from titanlite import distributed
-    from titanlite.config import help_text, load_config, parse_cli
+    from titanlite.config import load_config
     from titanlite.heartbeat import CommFailure, failure_message, is_comm_failure
-    from titanlite.trainer import Trainer
 
     distributed.setup_logging()
     trainer = None
     lost = False  # a rank is gone: nothing collective may run any more
     try:
-        want_help, _ = parse_cli(argv)
-        if want_help:
-            sys.stdout.write(help_text() + "\n")
-            return EXIT_OK
         cfg = load_config(argv)
         if cfg.job.dry_run:  # the report alone, as ./run_train.sh gives it: never a Trainer
             from titanlite.checks import check
@@ -81,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
             tokenizer = check(cfg, world)
             sys.stdout.write(dry_run(cfg, world, tokenizer.vocab_size if tokenizer else 0) + "\n")
             return EXIT_OK
+        from titanlite.trainer import Trainer
+
         trainer = Trainer(cfg)
         trainer.train()
         done, trainer = trainer, None

@@ -107,8 +107,15 @@ import pool_worker
 import pytest
 from conftest import subprocess_env
 
-# Imported once by the forkserver that all workers are forked from; none starts a thread.
-PRELOAD = ["pool_worker", "torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo"]
+# Imported once by the forkserver that all workers are forked from. Besides torch, `datasets`
+# and its text builder: a worker's first training run otherwise imports them, about 0.8 s of
+# CPU per worker started. They read only the pinned Hugging Face variables, the same in every
+# pool. The one thread they start (pyarrow's jemalloc background purger) is not carried into a
+# fork: a worker's allocator then purges inline, as with that thread disabled.
+PRELOAD = [
+    "pool_worker", "torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
+    "datasets", "datasets.packaged_modules.text.text",
+]  # fmt: skip
 DIR_PREFIX = "titanlite-pool-"  # + the pytest pid: one folder of rank outputs per started pool
 OUTPUT_CHARS = 20_000  # per rank, in a failure message
 LOG_LINES = 40  # last log lines per rank in a failure message
@@ -218,7 +225,7 @@ class WorkerPool:
         context = multiprocessing.get_context(self.start_method)
         if self.start_method == "forkserver":
             # One process imports torch (~2 s of CPU) and forks every worker of the session from
-            # it. Only torch: titanlite may read the environment that workers set at import.
+            # it. Not titanlite: it may read the environment that workers set at import.
             context.set_forkserver_preload(PRELOAD)
         for rank in range(self.world_size):
             ours, theirs = context.Pipe()

@@ -347,10 +347,3 @@ def test_gradient_accumulation_on_top_of_the_pipeline(tmp_path: Path, baselines:
     args += ["--training.global_batch_size", "4", "--parallelism.pipeline_parallel_degree", "2"]
     args += ["--validation.steps", "4"]  # validation batches of 2: the baseline's 8 sequences
     assert_close(run(2, tmp_path / "run", *args), baselines[4][1])
-
-
-@pytest.mark.slow
-def test_pipeline_over_hsdp(tmp_path: Path, baselines: dict) -> None:
-    """pp 2 x dp_replicate 2 x dp_shard 2 (8 ranks): each stage is HSDP-sharded."""
-    args = layout(4, 1, 2, "GPipe", replicate=2, shard=2)
-    assert_close(run(8, tmp_path / "run", *args), baselines[4][1])

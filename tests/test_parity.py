@@ -117,14 +117,13 @@ LAYOUTS = [
 ]
 # Context parallelism (each of the 8 sequences split over the cp ranks), alone and composed
 # with sequence-parallel TP, FSDP (over dp_shard x cp) and titanlite's DDP (over
-# dp_replicate x cp); Qwen3 (q/k norms, rotate-half RoPE) in the two basic layouts.
+# dp_replicate x cp); Qwen3 (q/k norms, rotate-half RoPE) under FSDP over dp_shard x cp.
 CP_LAYOUTS = [
     ("llama3", Layout(cp=2)),
     ("llama3", Layout(cp=4)),
     ("llama3", Layout(cp=2, tp=2)),
     ("llama3", Layout(shard=2, cp=2)),
     ("llama3", Layout(replicate=2, cp=2)),
-    ("qwen3", Layout(cp=2)),
     ("qwen3", Layout(shard=2, cp=2)),
 ]
 

@@ -133,6 +133,16 @@ def _stop_worker_pools() -> Iterator[None]:
         pool.shutdown_pools()
 
 
+@pytest.fixture(scope="module")
+def eight_rank_pool_stops_with_the_module() -> Iterator[None]:
+    """For the modules that train on 8 ranks (test_parity, test_pipeline): their pool stops
+    when the module ends (tests/pool.py close_pool) instead of idling through the session."""
+    yield
+    pool = sys.modules.get("pool")
+    if pool is not None:
+        pool.close_pool(8)
+
+
 # The longest files (measured with --durations, BENCHMARKS.md "Test suite"), longest first.
 # scripts/test.sh runs two xdist workers that take whole files in collection order
 # (--dist loadfile --no-loadscope-reorder): started first, these run side by side with the

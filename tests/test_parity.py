@@ -25,17 +25,7 @@ from pool import get_pool
 
 from titanlite.compare import relative_difference
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _close_the_eight_rank_pool() -> Iterator[None]:
-    """Only this module and test_pipeline train on 8 ranks: the pool stops with the module
-    (tests/pool.py close_pool) instead of idling through the rest of the session."""
-    yield
-    import pool
-
-    pool.close_pool(8)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("eight_rank_pool_stops_with_the_module")]
 
 
 STEPS = 10

@@ -9,7 +9,6 @@ The multi-rank runs use titanlite's Trainer on the reused worker pool (tests/poo
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,15 +16,7 @@ import pytest
 from titanlite.config import ConfigError, JobConfig, resolve_degrees
 from titanlite.config.layout import pipeline_plan
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _close_the_eight_rank_pool() -> Iterator[None]:
-    """Only this module and test_parity train on 8 ranks: the pool stops with the module
-    (tests/pool.py close_pool) instead of idling through the rest of the session."""
-    yield
-    import pool
-
-    pool.close_pool(8)
+pytestmark = pytest.mark.usefixtures("eight_rank_pool_stops_with_the_module")
 
 
 # --- the split (no processes) -------------------------------------------------------------------

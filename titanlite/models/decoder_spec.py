@@ -142,6 +142,17 @@ def check_decoder_shape(args: Any) -> None:
         args.check_attention()
 
 
+SCORE_FUNCS = ("softmax", "sigmoid")
+"""How a MoE router may score experts (``model.score_func``)."""
+
+
+def check_score_func(args: Any) -> None:
+    """ValueError naming ``score_func`` when it is not one of SCORE_FUNCS."""
+    if args.score_func not in SCORE_FUNCS:
+        raise ValueError(f"score_func must be one of {', '.join(SCORE_FUNCS)}, got "
+                         f"{args.score_func!r}")  # fmt: skip
+
+
 def check_moe_routing(args: Any) -> None:
     """ValueError naming the field for routing options the MoE layer cannot take."""
     if args.n_groups < 1 or args.num_experts % args.n_groups:

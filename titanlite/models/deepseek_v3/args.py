@@ -12,9 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from titanlite.models.decoder_spec import check_moe_routing
-
-SCORE_FUNCS = ("softmax", "sigmoid")
+from titanlite.models.decoder_spec import check_moe_routing, check_score_func
 
 
 @dataclass
@@ -133,9 +131,7 @@ class DeepseekV3Args:
             raise ValueError(f"qk_rope_head_dim {self.qk_rope_head_dim} must be even for RoPE")
         if self.v_head_dim > self.qk_nope_head_dim + self.qk_rope_head_dim:
             raise ValueError(f"v_head_dim {self.v_head_dim} exceeds the query/key head size")
-        if self.score_func not in SCORE_FUNCS:
-            raise ValueError(f"score_func must be one of {', '.join(SCORE_FUNCS)}, got "
-                             f"{self.score_func!r}")  # fmt: skip
+        check_score_func(self)
         for name in ("q_lora_rank", "shared_experts", "aux_loss_coef", "bias_update_rate",
                      "capacity_factor", "router_z_loss_coef", "mtp_layers",
                      "mtp_loss_weight"):  # fmt: skip

@@ -11,10 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
+from titanlite.models.decoder_spec import check_score_func
 from titanlite.models.qwen3_5.args import OVERRIDES as DENSE_OVERRIDES
 from titanlite.models.qwen3_5.args import Qwen35Args
-
-SCORE_FUNCS = ("softmax", "sigmoid")
 
 
 @dataclass
@@ -70,9 +69,7 @@ class Qwen35MoeArgs(Qwen35Args):
         super().check()
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k {self.top_k} exceeds num_experts {self.num_experts}")
-        if self.score_func not in SCORE_FUNCS:
-            raise ValueError(f"score_func must be one of {', '.join(SCORE_FUNCS)}, got "
-                             f"{self.score_func!r}")  # fmt: skip
+        check_score_func(self)
         for name in ("shared_experts", "aux_loss_coef", "bias_update_rate", "capacity_factor",
                      "router_z_loss_coef"):  # fmt: skip
             if getattr(self, name) < 0:

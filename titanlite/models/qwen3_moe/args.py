@@ -17,9 +17,8 @@ from titanlite.models.decoder_spec import (
     AttentionVariants,
     check_decoder_shape,
     check_moe_routing,
+    check_score_func,
 )
-
-SCORE_FUNCS = ("softmax", "sigmoid")
 
 
 @dataclass
@@ -94,9 +93,7 @@ class Qwen3MoeArgs(AttentionVariants):
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k {self.top_k} exceeds num_experts {self.num_experts}")
-        if self.score_func not in SCORE_FUNCS:
-            raise ValueError(f"score_func must be one of {', '.join(SCORE_FUNCS)}, got "
-                             f"{self.score_func!r}")  # fmt: skip
+        check_score_func(self)
         for name in ("shared_experts", "aux_loss_coef", "bias_update_rate", "capacity_factor",
                      "router_z_loss_coef"):  # fmt: skip
             if getattr(self, name) < 0:

@@ -19,6 +19,9 @@ if [ $# -eq 0 ]; then
   # tests/conftest.py sorts longest first (xdist's default reorder put the longest last).
   set -- -n 2 --dist loadfile --no-loadscope-reorder
 fi
+# Byte-code written once: where PYTHONDONTWRITEBYTECODE is set, every trainer or worker process
+# the tests start would otherwise compile titanlite's sources again (about 0.2 s of CPU each).
+"$py" -m compileall -q titanlite tests >/dev/null
 # Tests never reach the network: the Hub is refused at once, wandb stays offline.
 export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 WANDB_MODE=offline
 export TITANLITE_PYTHON="$py"

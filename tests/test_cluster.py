@@ -47,6 +47,7 @@ SLURM_LAYOUT = (
 )  # fmt: skip
 PLAIN_LAYOUT = ("--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "1")
 WAIT_S = 300  # any single wait; the machine may be shared and slow
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}  # a job's states once it is over
 
 TIMINGS: dict[str, float] = {}
 
@@ -116,6 +117,11 @@ class Cluster:
         text = self.run("node1", "scontrol", "show", "job", "-o", job_id)
         return dict(re.findall(r"(\w+)=(\S*)", text))
 
+    def finished(self, job_id: str) -> dict[str, str] | None:
+        """The job's state once it has ended, else None."""
+        state = self.job(job_id)
+        return state if state["JobState"] in ENDED else None
+
 
 # --------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
@@ -167,13 +173,17 @@ def slurm_run(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> tup
     folder = tmp_path_factory.mktemp("slurm")
     out = folder / "run"
     start = time.time()
-    cluster.run(
-        "node1", "sbatch", "--wait", f"--output={folder}/slurm-%j.out", str(SLURM_SCRIPT),
-        CONFIG, *TINY, *SLURM_LAYOUT, "--job.dump_folder", str(out), timeout=WAIT_S, NGPU="2",
-    )  # fmt: skip
+    job = cluster.run(
+        "node1", "sbatch", "--parsable", f"--output={folder}/slurm-%j.out", str(SLURM_SCRIPT),
+        CONFIG, *TINY, *SLURM_LAYOUT, "--job.dump_folder", str(out), NGPU="2",
+    ).strip().split(";")[0]  # fmt: skip
+    # Polled here rather than with `sbatch --wait`, whose own polling backs off to 16 s and more
+    # between looks: it returned about 25 s after this job had ended.
+    state = wait_for("the job to finish", lambda: cluster.finished(job), every=0.5)
     TIMINGS["sbatch_to_first_step_s"] = round(first_step_time(out) - start, 2)
     TIMINGS["sbatch_to_end_s"] = round(time.time() - start, 2)
     (log,) = folder.glob("slurm-*.out")
+    assert state["JobState"] == "COMPLETED", f"{state}\n{log.read_text()[-4000:]}"
     return out, log.read_text()
 
 
@@ -310,8 +320,7 @@ def test_preempted_job_requeues_and_resumes_exactly(
                 requeued_at.append(time.monotonic())
             if time.monotonic() - requeued_at[0] > 10:
                 cluster.run("node1", "scontrol", "update", f"JobId={job}", "StartTime=now")
-        done = state["JobState"] in {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}
-        return state if done else None
+        return state if state["JobState"] in ENDED else None
 
     state = wait_for("the job to requeue itself and finish", finished, every=0.5)
     log = "\n".join(p.read_text() for p in folder.glob("slurm-*.out"))

@@ -2,9 +2,41 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+def outside_graphs(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.compiler.disable(fn)`` (eager, a graph break inside compiled code), with the
+    disabled wrapper made on the first call from compiled code rather than at import.
+
+    ``torch.compiler.disable`` imports ``torch._dynamo`` where it decorates: about half a second
+    of CPU in every process that imports the models, most of which never compile anything.
+    Eager calls go straight to ``fn``. Traced by ``torch.compile``, the wrapper makes the
+    disabled function once (``torch.compiler.disable`` is itself a graph break) and calls it,
+    so ``fn`` runs eagerly there, as under the decorator."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return _disabled(fn)(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return call
+
+
+_DISABLED: dict[Callable[..., Any], Callable[..., Any]] = {}
+
+
+def _disabled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    if fn not in _DISABLED:
+        _DISABLED[fn] = torch.compiler.disable(fn)
+    return _DISABLED[fn]
 
 
 class RMSNorm(nn.Module):

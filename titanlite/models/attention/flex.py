@@ -35,6 +35,8 @@ from torch.nn.attention.flex_attention import (
     flex_attention,
 )
 
+from titanlite.models.layers import outside_graphs
+
 KERNELS = ("auto", "explicit", "flex")
 """``model.attention_kernel``: "auto" runs FlexAttention on CUDA and the blocked explicit
 kernel elsewhere; "explicit" and "flex" force one of them."""
@@ -73,7 +75,7 @@ def _compiled_op(name: str) -> Callable:
     return _compiled[name]
 
 
-@torch.compiler.disable  # a Python cache and data-dependent rules: eager, outside graphs
+@outside_graphs  # a Python cache and data-dependent rules: eager, outside graphs
 def block_mask(
     chunks: Sequence[tuple[int, int]],
     *,

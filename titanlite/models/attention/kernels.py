@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from titanlite.models.interfaces import AttentionCore, Mask
+from titanlite.models.layers import outside_graphs
 
 LOGIT_BLOCK = 1 << 24
 """Logits computed at once by ``max_logits`` (64 MiB in float32), whatever the sequence."""
@@ -85,7 +86,7 @@ class _PrefixAttention(torch.autograd.Function):
         return dq_p + dq_d, torch.cat([dk_p, dk_d], dim=2), torch.cat([dv_p, dv_d], dim=2)
 
 
-@torch.compiler.disable  # the split depends on the data: eager, outside compiled graphs
+@outside_graphs  # the split depends on the data: eager, outside compiled graphs
 def document_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -170,7 +171,7 @@ def max_logits(
     return best
 
 
-@torch.compiler.disable  # a side effect on the module: eager, outside compiled graphs
+@outside_graphs  # a side effect on the module: eager, outside compiled graphs
 def record_max_logits(
     core: AttentionCore,
     q: torch.Tensor,

@@ -1,8 +1,9 @@
 """Training throughput of titanlite against a plain-PyTorch loop of the same model shape.
 
 For each flavor and case (processes x parallelism x eager/compiled x fp32/bf16) this runs, in
-one sitting and back to back, (a) titanlite itself, started the way a user starts it
-(torchrun -m titanlite.train with the bench overrides), and (b) the no-framework reference
+one sitting and back to back, (a) titanlite itself, started the way ./run_train.sh starts it
+(torchrun -m titanlite.train with the bench overrides; one process directly, without
+torchrun), and (b) the no-framework reference
 below: a Llama of identical parameter shapes written in ~60 lines of plain PyTorch, random
 tokens, AdamW and gradient clipping, wrapped in torch's own DDP or FSDP2 for two ranks.
 Both print per-step times; the table compares medians over the steps after --warmup.
@@ -14,7 +15,8 @@ the start (all cores, in the case's dtype), so titanlite and the reference are j
     python scripts/bench.py --flavors debugmodel --cases 1p-eager-fp32 --steps 4
     python scripts/bench.py --json results.json      # also write the rows as JSON
 
-Internal: `--reference-worker` runs one reference case (started by this script under torchrun).
+Internal: `--reference-worker` runs one reference case (started by this script, under torchrun
+for several processes).
 """
 
 from __future__ import annotations
@@ -142,11 +144,15 @@ class RefLlama(nn.Module):
 
 
 def reference_worker(args: argparse.Namespace) -> None:
-    """One reference case in this process (rank of a torchrun group); rank 0 writes times."""
+    """One reference case in this process (a rank of a torchrun group, or alone); rank 0 writes
+    times."""
     import torch.distributed as dist
 
     case = CASES[args.case]
-    dist.init_process_group("gloo")
+    if "RANK" in os.environ:  # under torchrun
+        dist.init_process_group("gloo")
+    else:  # one process, started directly: a group of one (a store in memory)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     rank = dist.get_rank()
     torch.manual_seed(0)
     a = LLAMA.make_args(args.flavor, args.vocab_size, args.seq_len, {})
@@ -187,7 +193,12 @@ def reference_worker(args: argparse.Namespace) -> None:
 # --------------------------------------------------------------------------- the runs
 
 
-def torchrun(ranks: int, args: list[str]) -> list[str]:
+def launch(ranks: int, args: list[str]) -> list[str]:
+    """The command that runs ``python ARGS`` on ``ranks`` processes: torchrun for several, the
+    interpreter itself for one (as run_train.sh does; torchrun would add its own process and
+    its `import torch`, about 2 s of CPU)."""
+    if ranks == 1:
+        return [sys.executable, *args]
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc_per_node={ranks}", *args,
@@ -230,7 +241,7 @@ def titanlite_run(case: Case, flavor: str, args: argparse.Namespace, tmp: Path) 
         str(case.ranks if case.data_parallel == "fsdp" else 1),
     ]  # fmt: skip
     threads = max(1, args.cores // case.ranks)
-    run(torchrun(case.ranks, ["-m", "titanlite.train", *overrides]), threads, args.timeout)
+    run(launch(case.ranks, ["-m", "titanlite.train", *overrides]), threads, args.timeout)
     return [r for r in read_records(dump) if "tps" in r]
 
 
@@ -241,7 +252,7 @@ def reference_times(case: Case, flavor: str, args: argparse.Namespace, tmp: Path
         "--vocab-size", str(args.vocab_size), "--seq-len", str(args.seq_len),
         "--batch", str(args.batch), "--steps", str(args.steps), "--out", str(out),
     ]  # fmt: skip
-    run(torchrun(case.ranks, worker), max(1, args.cores // case.ranks), args.timeout)
+    run(launch(case.ranks, worker), max(1, args.cores // case.ranks), args.timeout)
     return json.loads(out.read_text())
 
 

@@ -107,6 +107,45 @@ def test_a_lost_rank_is_named_and_the_others_stop_within_the_timeout(tmp_path, f
     assert sorted(p.name for p in (out / "checkpoint" / "step-4").iterdir()) == before
 
 
+def diagnose_when_told_to_stop(rank: int, world: int) -> str | None:
+    """Rank 1 stops its heartbeat (lost from now on, though not yet for long enough to tell);
+    rank 0 then diagnoses and gets SIGTERM 0.3 s in, as torchrun sends it to the survivors of
+    a dead worker: rank 0's diagnosis (None elsewhere)."""
+    import threading
+
+    import torch.distributed as dist
+
+    from titanlite import heartbeat, stop_signals
+
+    beat = heartbeat.Heartbeat(rank, world, timeout_s=10.0)  # stale after 3 beats of 2 s
+    dist.barrier()
+    if rank == 1:
+        beat.close()
+        dist.barrier()
+        return None
+    stop_signals.install()
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    try:
+        return beat.diagnose()
+    finally:
+        timer.cancel()
+        timer.join()
+        beat.close()
+        dist.barrier()
+
+
+def test_a_survivor_told_to_stop_says_so_at_once_instead_of_waiting_to_name_the_lost_rank():
+    """torchrun stops the other workers (SIGTERM) as soon as one died and kills them 30 s
+    later; the diagnosis waits up to four heartbeats (40 s at the default timeout) for the
+    dead rank's to go stale. Told to stop, it ends at once: the failure's line is printed and
+    the restart is not held up (it took 32 s more in the two-node kill test)."""
+    from pool import get_pool
+
+    told = get_pool(2).run(diagnose_when_told_to_stop)[0]
+    assert told == "told to stop (SIGTERM) before the lost rank could be named", told
+
+
 @pytest.fixture
 def small_disk(tmp_path: Path):
     """A 70 MiB tmpfs: room for one checkpoint of the test model (about 41 MiB), not two."""

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import logging
 import re
+import signal
 import threading
 import time
 from datetime import timedelta
 
 import torch.distributed as dist
+
+from titanlite import stop_signals
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +171,9 @@ class Heartbeat:
 
     def diagnose(self) -> str:
         """Which ranks were lost, waiting until a dead rank's heartbeat is old enough to tell
-        (at most a few heartbeat intervals)."""
+        (at most a few heartbeat intervals), or until this process is told to stop: torchrun
+        tears the group down with SIGTERM as soon as a worker died, and kills what is still
+        running 30 s later, which would lose this message and delay its restart."""
         if self._store is None:
             return "this run has one rank"
         deadline = time.monotonic() + self.stale_s + self.interval_s
@@ -176,13 +181,16 @@ class Heartbeat:
             while True:
                 beats = self._read_all()
                 lost = self._stale_ranks(beats)
-                if lost or time.monotonic() >= deadline:
+                if lost or time.monotonic() >= deadline or _told_to_stop(self.interval_s / 2):
                     break
-                time.sleep(self.interval_s / 2)
         except Exception:  # noqa: BLE001 - the store went with its host
             return "lost the rendezvous store (its host is gone: rank 0's node, or torchrun's)"
         if lost:
             return self._describe(lost, beats)
+        stop = stop_signals.preempt_signal()
+        if stop is not None or stop_signals.interrupted():
+            by = signal.Signals(stop).name if stop is not None else "Ctrl-C"
+            return f"told to stop ({by}) before the lost rank could be named"
         steps = {r: b[1] for r, b in beats.items() if b is not None}
         low = min(steps.values(), default=self.step)
         behind = sorted(r for r, s in steps.items() if s == low)
@@ -204,6 +212,19 @@ def failure_message(error: BaseException) -> str:
     return (f"a collective failed {where}: {who} ({cause}); the checkpoints on disk are "
             "intact: run the same command to resume (torchrun restarts by itself with "
             "MAX_RESTARTS > 0)")  # fmt: skip
+
+
+def _told_to_stop(seconds: float) -> bool:
+    """Sleep ``seconds``, or less once a stop signal (SIGTERM, SIGUSR1, Ctrl-C) has arrived;
+    whether one has."""
+    end = time.monotonic() + seconds
+    while True:
+        if stop_signals.preempt_signal() is not None or stop_signals.interrupted():
+            return True
+        left = end - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(left, 0.1))
 
 
 def _ranks(ranks: list[int]) -> str:

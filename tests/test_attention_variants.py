@@ -235,3 +235,34 @@ def test_hf_export_refuses_a_window_hf_llama_lacks() -> None:
 
     with pytest.raises(UserError, match="model.sliding_window=8"):
         LLAMA.hf_adapter().to_hf_config(tiny(1, sliding_window=8).args)
+
+
+@pytest.mark.slow
+def test_eager_only_kernels_run_eagerly_under_compile_and_import_no_dynamo() -> None:
+    """document_attention (``layers.outside_graphs``) inside torch.compile: the same output as
+    eager and one graph break, as under ``torch.compiler.disable``; importing the models and
+    their kernels imports no ``torch._dynamo`` (in a fresh process: this one has it)."""
+    import subprocess
+    import sys
+
+    import torch._dynamo
+
+    from titanlite.models.attention.kernels import document_attention
+
+    q, k, v = qkv(seq=8)
+    documents = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2]] * 2)
+
+    def doubled(q, k, v, documents):  # noqa: ANN001, ANN202
+        return document_attention(q * 1.0, k, v, documents, chunks=[(0, 8)]) * 2
+
+    eager = doubled(q, k, v, documents)
+    compiled = torch.compile(doubled, backend="eager")(q, k, v, documents)
+    assert torch.equal(compiled, eager)
+    explained = torch._dynamo.explain(doubled)(q, k, v, documents)
+    torch._dynamo.reset()
+    assert (explained.graph_count, explained.graph_break_count) == (2, 1)
+    code = (
+        "import sys, titanlite.models.attention, titanlite.models.decoder; "
+        "sys.exit(1 if 'torch._dynamo' in sys.modules else 0)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0

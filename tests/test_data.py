@@ -496,6 +496,16 @@ def test_folder_is_read_recursively_in_sorted_order(tok: Tokenizer, tmp_path: Pa
     assert sorted(iter_texts(spec, "train")) == sorted(docs)
 
 
+def test_file_names_with_glob_characters_are_read_as_themselves(tmp_path: Path) -> None:
+    """datasets takes each data file as a glob pattern: unescaped, "a[1].txt" read "a1.txt"
+    a second time in its place, and "b*.txt" every b...txt."""
+    texts = {"a[1].txt": "alpha", "a1.txt": "beta", "b*.txt": "gamma", "bX.txt": "delta"}
+    for name, text in texts.items():
+        (tmp_path / name).write_text(text + "\n")
+    spec = spec_for(tmp_path, validation_fraction=0.0)
+    assert sorted(iter_texts(spec, "train")) == sorted(t + "\n" for t in texts.values())
+
+
 @pytest.mark.parametrize(
     "setup,message",
     [

@@ -13,6 +13,7 @@ Document boundaries:
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import importlib.util
 import logging
@@ -229,7 +230,9 @@ def _load_local(builder: str, files: list[Path], name: str, **kwargs: Any) -> It
     try:
         return load_dataset(
             builder,
-            data_files=[str(f) for f in files],
+            # datasets reads every entry as a glob pattern: escaped, "a[1].txt" is that file
+            # (not "a1.txt" read twice) and "b*.txt" no other file.
+            data_files=[glob.escape(str(f)) for f in files],
             split="train",
             streaming=True,
             **kwargs,

@@ -16,7 +16,8 @@ def outside_graphs(fn: Callable[..., Any]) -> Callable[..., Any]:
     disabled wrapper made on the first call from compiled code rather than at import.
 
     ``torch.compiler.disable`` imports ``torch._dynamo`` where it decorates: about half a second
-    of CPU in every process that imports the models, most of which never compile anything.
+    of CPU in every process that imports the models. Training pays it anyway (torch.optim's
+    ``Optimizer`` imports it); dry runs, conversions and evaluation scripts need not.
     Eager calls go straight to ``fn``. Traced by ``torch.compile``, the wrapper makes the
     disabled function once (``torch.compiler.disable`` is itself a graph break) and calls it,
     so ``fn`` runs eagerly there, as under the decorator."""

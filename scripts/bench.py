@@ -43,6 +43,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 from titanlite.data import load_tokenizer  # noqa: E402
+from titanlite.distributed import env_info, join_group  # noqa: E402
 from titanlite.metrics import measure_matmul_flops  # noqa: E402
 from titanlite.metrics_file import read_metrics  # noqa: E402
 from titanlite.models.layers import count_params  # noqa: E402
@@ -149,11 +150,8 @@ def reference_worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     case = CASES[args.case]
-    if "RANK" in os.environ:  # under torchrun
-        dist.init_process_group("gloo")
-    else:  # one process, started directly: a group of one (a store in memory)
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    rank = dist.get_rank()
+    rank, world, _, _ = env_info()
+    join_group("gloo", rank, world)  # under torchrun, or alone when started directly
     torch.manual_seed(0)
     a = LLAMA.make_args(args.flavor, args.vocab_size, args.seq_len, {})
     model: nn.Module = RefLlama(a)

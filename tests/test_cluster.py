@@ -117,6 +117,14 @@ class Cluster:
         text = self.run("node1", "scontrol", "show", "job", "-o", job_id)
         return dict(re.findall(r"(\w+)=(\S*)", text))
 
+    def submit(self, folder: Path, *args: str, **env: str) -> str:
+        """sbatch multinode_trainer.slurm with the debug config, TINY and ARGS from node1, its
+        output in FOLDER/slurm-JOBID.out; the job id."""
+        return self.run(
+            "node1", "sbatch", "--parsable", f"--output={folder}/slurm-%j.out", str(SLURM_SCRIPT),
+            CONFIG, *TINY, *args, **env,
+        ).strip().split(";")[0]  # fmt: skip
+
     def finished(self, job_id: str) -> dict[str, str] | None:
         """The job's state once it has ended, else None."""
         state = self.job(job_id)
@@ -173,12 +181,9 @@ def slurm_run(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> tup
     folder = tmp_path_factory.mktemp("slurm")
     out = folder / "run"
     start = time.time()
-    job = cluster.run(
-        "node1", "sbatch", "--parsable", f"--output={folder}/slurm-%j.out", str(SLURM_SCRIPT),
-        CONFIG, *TINY, *SLURM_LAYOUT, "--job.dump_folder", str(out), NGPU="2",
-    ).strip().split(";")[0]  # fmt: skip
-    # Polled here rather than with `sbatch --wait`, whose own polling backs off to 16 s and more
-    # between looks: it returned about 25 s after this job had ended.
+    job = cluster.submit(folder, *SLURM_LAYOUT, "--job.dump_folder", str(out), NGPU="2")
+    # Polled here rather than with `sbatch --wait`, whose own polling backs off: it returned
+    # about 25 s after this job had ended.
     state = wait_for("the job to finish", lambda: cluster.finished(job), every=0.5)
     TIMINGS["sbatch_to_first_step_s"] = round(first_step_time(out) - start, 2)
     TIMINGS["sbatch_to_end_s"] = round(time.time() - start, 2)
@@ -296,10 +301,7 @@ def test_preempted_job_requeues_and_resumes_exactly(
     processes, and the 2 x 2 launch is proven by that test."""
     folder = tmp_path_factory.mktemp("preempt")
     out = folder / "run"
-    job = cluster.run(
-        "node1", "sbatch", "--parsable", f"--output={folder}/slurm-%j.out", str(SLURM_SCRIPT),
-        CONFIG, *TINY, *PLAIN_LAYOUT, "--job.dump_folder", str(out), NGPU="1",
-    ).strip().split(";")[0]  # fmt: skip
+    job = cluster.submit(folder, *PLAIN_LAYOUT, "--job.dump_folder", str(out), NGPU="1")
 
     def logged(step: int) -> bool:
         return any(r.get("step", 0) >= step and "loss" in r for r in step_records(out))

@@ -51,14 +51,10 @@ def init(seed: int, timeout_s: float | None = None) -> DistInfo:
         device = torch.device("cpu")
         backend = "gloo"
     if not dist.is_initialized():
-        if "MASTER_ADDR" in os.environ:
-            dist.init_process_group(
-                backend, rank=rank, world_size=world, device_id=_device_id(device),
-                timeout=timedelta(seconds=timeout_s) if timeout_s else None,
-            )  # fmt: skip
-        else:
-            # A plain `python -m titanlite.train`: a group of one, nothing to rendezvous with.
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        join_group(
+            backend, rank, world, device_id=_device_id(device),
+            timeout=timedelta(seconds=timeout_s) if timeout_s else None,
+        )  # fmt: skip
     if timeout_s:
         from titanlite.heartbeat import set_timeouts
 
@@ -70,6 +66,16 @@ def init(seed: int, timeout_s: float | None = None) -> DistInfo:
         world, local_world, device, backend, torch.get_num_threads(),
     )  # fmt: skip
     return info
+
+
+def join_group(backend: str, rank: int, world: int, **options: object) -> None:
+    """The default process group: torchrun's rendezvous (MASTER_ADDR and the rest in the
+    environment; ``options`` go to ``init_process_group``), or for a plain ``python -m ...``
+    a group of one, nothing to rendezvous with (a store in memory)."""
+    if "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend, rank=rank, world_size=world, **options)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def _device_id(device: torch.device) -> torch.device | None:

@@ -187,10 +187,9 @@ class Heartbeat:
             return "lost the rendezvous store (its host is gone: rank 0's node, or torchrun's)"
         if lost:
             return self._describe(lost, beats)
-        stop = stop_signals.preempt_signal()
-        if stop is not None or stop_signals.interrupted():
-            by = signal.Signals(stop).name if stop is not None else "Ctrl-C"
-            return f"told to stop ({by}) before the lost rank could be named"
+        stop = _stop_asked()
+        if stop:
+            return f"told to stop ({stop}) before the lost rank could be named"
         steps = {r: b[1] for r, b in beats.items() if b is not None}
         low = min(steps.values(), default=self.step)
         behind = sorted(r for r, s in steps.items() if s == low)
@@ -214,12 +213,19 @@ def failure_message(error: BaseException) -> str:
             "MAX_RESTARTS > 0)")  # fmt: skip
 
 
+def _stop_asked() -> str | None:
+    """The stop signal this process has had (SIGTERM, SIGUSR1, Ctrl-C), None while none."""
+    stop = stop_signals.preempt_signal()
+    if stop is not None:
+        return signal.Signals(stop).name
+    return "Ctrl-C" if stop_signals.interrupted() else None
+
+
 def _told_to_stop(seconds: float) -> bool:
-    """Sleep ``seconds``, or less once a stop signal (SIGTERM, SIGUSR1, Ctrl-C) has arrived;
-    whether one has."""
+    """Sleep ``seconds``, or less once a stop signal has arrived; whether one has."""
     end = time.monotonic() + seconds
     while True:
-        if stop_signals.preempt_signal() is not None or stop_signals.interrupted():
+        if _stop_asked():
             return True
         left = end - time.monotonic()
         if left <= 0:

@@ -31,8 +31,9 @@ from titanlite.parallel.ddp_support import all_reduce_after_backward, local_tens
 logger = logging.getLogger(__name__)
 
 # The schedule classes of torch.distributed.pipelining by their config names. That package
-# (it imports torch._dynamo) is imported only when a pipeline is built: ~0.6 s of every other
-# trainer's start-up.
+# (it imports torch._dynamo, ~0.5 s) is imported only when a pipeline is built. A training
+# process imports torch._dynamo anyway with its optimizer (torch.optim does); processes that
+# build no optimizer (dry runs, scripts) are spared it.
 SCHEDULES = {
     "GPipe": "ScheduleGPipe",
     "1F1B": "Schedule1F1B",

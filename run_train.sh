@@ -132,8 +132,13 @@ main() {
 
   # Config, layout and input files are checked once, before any process starts. Status 100
   # means preflight did a dry run (--job.dry_run) and there is nothing to launch.
-  WORLD_SIZE=$(( NGPU * NNODES )) "$py" -m titanlite.preflight --job.config_file "$config" "$@"
+  # It also says where the run writes (for torchrun's logs, below).
+  answer="$(mktemp -t titanlite-dump-folder.XXXXXX)" || exit 1
+  TITANLITE_DUMP_FOLDER_FILE="$answer" WORLD_SIZE=$(( NGPU * NNODES )) \
+    "$py" -m titanlite.preflight --job.config_file "$config" "$@"
   status=$?
+  dump_folder="$(cat "$answer" 2>/dev/null)"
+  rm -f "$answer"
   [ "$status" -eq 100 ] && exit 0
   [ "$status" -eq 0 ] || exit "$status"
 
@@ -164,6 +169,13 @@ main() {
   export TITANLITE_ERROR_FILE="$errors" TITANLITE_INTERRUPT_PIDS="$pids" TITANLITE_LAUNCHER_PID=$$
 
   rdzv_args=(--rdzv_backend c10d --rdzv_endpoint "${RDZV_ENDPOINT:-localhost:0}")
+  # Every rank's output, the ranks LOG_RANK leaves off the console included, goes to files
+  # under the run's folder, one folder per launch and node:
+  #   DUMP_FOLDER/logs/<RDZV_ID or none>_<random>/attempt_N/LOCAL_RANK/{stdout,stderr}.log
+  # Without --log-dir torchrun would keep them in a new /tmp/torchelastic_* folder per launch,
+  # never removed.
+  log_args=()
+  [ -n "$dump_folder" ] && log_args=(--log-dir "$dump_folder/logs")
   # With restarts, give each attempt a fresh store: torchrun otherwise shares its rendezvous
   # store with the trainers, and keys of the failed attempt survive into the next, so a
   # restarted rank can read a dead peer's address and fail ("Gloo connectFullMesh failed ...
@@ -180,7 +192,7 @@ main() {
   # trainers until they handle it: this script relays Ctrl-C (on_interrupt).
   supervise "$py" -m torch.distributed.run --nnodes="$NNODES" --nproc_per_node="$NGPU" \
     "${rdzv_args[@]}" --max-restarts="${MAX_RESTARTS:-0}" --local-ranks-filter "$LOG_RANK" \
-    --signals-to-handle SIGTERM,SIGHUP,SIGQUIT --role rank --tee 3 \
+    --signals-to-handle SIGTERM,SIGHUP,SIGQUIT --role rank --tee 3 "${log_args[@]}" \
     -m titanlite.train --job.config_file "$config" "$@"
   status=$?
 

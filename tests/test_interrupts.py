@@ -214,15 +214,24 @@ def test_ctrl_c_mid_run_one_process_saves_exits_130_and_resumes_exactly(tmp_path
 
 def test_ctrl_c_mid_run_through_torchrun_stops_every_rank_at_one_step(tmp_path, baselines):
     """NGPU=2 (torchrun; the launcher relays Ctrl-C to the trainers, which run in sessions of
-    their own): both ranks stop at one step, save it, exit 130; resumed losses are exact."""
+    their own): both ranks stop at one step, save it, exit 130; resumed losses are exact.
+    Each rank's output is kept in the run's folder, and the launch leaves nothing in TMPDIR."""
     out = tmp_path / "run"
-    job = Launch(out, 2)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    job = Launch(out, 2, TMPDIR=str(scratch))
     job.wait_until("step 3", lambda: len(logged_steps(out)) >= 3)
     job.ctrl_c()
     started = time.monotonic()
     stopped = assert_stopped_and_saved(job, job.wait())
     stop_s = time.monotonic() - started
     left_s = assert_nothing_left(job)
+    (launch_logs,) = (out / "logs").iterdir()  # torchrun's, one folder per launch
+    ranks = launch_logs / "attempt_0"
+    assert sorted(p.name for p in ranks.iterdir()) == ["0", "1"]
+    assert f"interrupted (Ctrl-C) at step {stopped}" in (ranks / "0" / "stderr.log").read_text()
+    litter = [p.name for p in scratch.iterdir() if p.name.startswith(("torchelastic", "titanlite"))]
+    assert not litter, litter
     output = pool_run(2, out)
     assert f"resumed from checkpoint at step {stopped}" in output
     assert losses(out) == baselines[2]

@@ -7,7 +7,9 @@ that a typo or an impossible layout is one line and exit status 2 instead of a c
 every rank. The checks themselves live in titanlite.checks (the trainer runs them again).
 A dry run (--job.dry_run) is done here, in this one process, and nothing is launched.
 A dump folder held by a live run (titanlite.run_lock) is refused here too, before anything
-starts; the trainer takes the lock itself, for its whole life.
+starts; the trainer takes the lock itself, for its whole life. With
+TITANLITE_DUMP_FOLDER_FILE set, a run that may go ahead writes its dump folder (absolute)
+into that file: run_train.sh keeps torchrun's per-rank logs there.
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(dry_run(cfg, world_size, vocab) + "\n")
             return EXIT_NO_LAUNCH
         run_lock.check_free(cfg.job.dump_folder)
+        # run_train.sh asks where the run writes, to give torchrun's per-rank logs a home there.
+        answer = os.environ.get("TITANLITE_DUMP_FOLDER_FILE")
+        if answer:
+            with open(answer, "w") as f:
+                f.write(os.path.abspath(cfg.job.dump_folder))
     except UserError as e:
         sys.stderr.writelines(line + "\n" for line in error_lines(e))
         return EXIT_USER_ERROR

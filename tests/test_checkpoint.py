@@ -633,12 +633,15 @@ def test_rank_0_finishes_a_save_off_the_training_thread(tmp_path: Path) -> None:
     if dist.is_initialized():
         pytest.skip("a default process group already exists in this process")
     folder = tmp_path / "checkpoint"
-    release = threading.Event()
+    # Step 1's finishing, then step 2's (and any later one's): each held until released.
+    # Step 2's is held too: once it ran, retention (keep_latest_k=1) could retire step 1
+    # before the test read it (seen once on a busy machine).
+    release, release_later = threading.Event(), threading.Event()
     finishers: list[threading.Thread] = []
 
-    def write_files(path: Path) -> dict:  # the tokenizer copy, held until released
+    def write_files(path: Path) -> dict:  # the tokenizer copy
         finishers.append(threading.current_thread())
-        release.wait(5)
+        (release if len(finishers) == 1 else release_later).wait(5)
         return {}
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
@@ -659,6 +662,7 @@ def test_rank_0_finishes_a_save_off_the_training_thread(tmp_path: Path) -> None:
         release.set()
         ckpt.save(2)  # waits for step-1 first
         assert read_sidecar(folder / "step-1")["step"] == 1
+        release_later.set()
         ckpt.save(3, force_sync=True)
         assert [s for s, _ in complete_checkpoints(folder)] == [3]  # 1 and 2 retired
         assert finishers[-1] is threading.current_thread()

@@ -132,13 +132,21 @@ main() {
 
   # Config, layout and input files are checked once, before any process starts. Status 100
   # means preflight did a dry run (--job.dry_run) and there is nothing to launch.
-  # It also says where the run writes (for torchrun's logs, below).
-  answer="$(mktemp -t titanlite-dump-folder.XXXXXX)" || exit 1
-  TITANLITE_DUMP_FOLDER_FILE="$answer" WORLD_SIZE=$(( NGPU * NNODES )) \
-    "$py" -m titanlite.preflight --job.config_file "$config" "$@"
+  # It also says where the run writes (for torchrun's logs, below), in a file removed at once.
+  # It runs with Ctrl-C ignored (this script counts it and stops before launching, below): cut
+  # short while Python starts or imports, it printed a traceback and exited 1 or 130.
+  answer="$(mktemp -t titanlite-dump-folder.XXXXXX 2>/dev/null)"
+  (
+    trap '' INT
+    TITANLITE_DUMP_FOLDER_FILE="$answer" WORLD_SIZE=$(( NGPU * NNODES )) \
+      exec "$py" -m titanlite.preflight --job.config_file "$config" "$@"
+  )
   status=$?
-  dump_folder="$(cat "$answer" 2>/dev/null)"
-  rm -f "$answer"
+  dump_folder=""
+  if [ -n "$answer" ]; then
+    dump_folder="$(cat "$answer" 2>/dev/null)"
+    rm -f "$answer"
+  fi
   [ "$status" -eq 100 ] && exit 0
   [ "$status" -eq 0 ] || exit "$status"
 

@@ -279,6 +279,42 @@ def caught(pid: int, sig: int) -> bool:
     return bool(mask >> (sig - 1) & 1)
 
 
+# Holds the checks run_train.sh starts first (titanlite.preflight) for 2 s in an import, so a
+# Ctrl-C lands while Python is still importing.
+SLOW_PREFLIGHT = """
+import sys, time
+class _Slow:
+    def find_spec(self, name, path=None, target=None):
+        if name == "titanlite.checks":
+            time.sleep(2)
+        return None
+if b"titanlite.preflight" in open("/proc/self/cmdline", "rb").read():
+    sys.meta_path.insert(0, _Slow())
+"""
+
+
+def test_ctrl_c_during_the_checks_before_launch_is_one_line(tmp_path):
+    """Ctrl-C while the launcher's checks still import: exit 130 and the one line (it printed
+    a KeyboardInterrupt traceback and exited 1), nothing launched, nothing left."""
+    out = tmp_path / "run"
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SLOW_PREFLIGHT)
+    job = Launch(out, 1, PYTHONPATH=str(hook))
+    job.wait_until("the checks", lambda: any(
+        b"titanlite.preflight" in Path(f"/proc/{p}/cmdline").read_bytes()
+        for p in processes_of(out)
+    ))  # fmt: skip
+    time.sleep(0.5)  # inside the held import
+    job.ctrl_c()
+    assert job.wait() == EXIT_INTERRUPTED, job.output()
+    assert "Traceback" not in job.output() and "KeyboardInterrupt" not in job.output()
+    last = job.output().strip().splitlines()[-1]
+    assert last == "titanlite: interrupted (Ctrl-C) before the run started; nothing ran", last
+    assert_nothing_left(job)
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("ngpu", [1, 2])
 def test_ctrl_c_during_start_up_exits_130_without_a_save(tmp_path, ngpu):
     """One process: Ctrl-C once the trainer handles signals, while it still imports torch.

@@ -293,6 +293,32 @@ if b"titanlite.preflight" in open("/proc/self/cmdline", "rb").read():
 """
 
 
+SLOW_TRAINER_IMPORT = SLOW_PREFLIGHT.replace("titanlite.checks", "titanlite.run_lock").replace(
+    "titanlite.preflight", "titanlite.train"
+)
+
+
+def test_ctrl_c_before_the_trainer_can_handle_it_is_the_start_up_line(tmp_path):
+    """One process, Ctrl-C while the trainer still imports what it needs to install its
+    handlers (an import held 2 s): the start-up line and exit 130, no traceback."""
+    out = tmp_path / "run"
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SLOW_TRAINER_IMPORT)
+    job = Launch(out, 1, PYTHONPATH=str(hook))
+    job.wait_until("the trainer", lambda: b"titanlite.train" in Path(
+        f"/proc/{job.proc.pid}/cmdline").read_bytes())  # fmt: skip
+    time.sleep(0.5)  # inside the held import
+    job.ctrl_c()
+    assert job.wait() == EXIT_INTERRUPTED, job.output()
+    assert "Traceback" not in job.output() and "KeyboardInterrupt" not in job.output()
+    assert job.output().strip().splitlines()[-1] == (
+        "titanlite: interrupted (Ctrl-C) during start-up, before step 1; nothing new to save; "
+        "run the same command to resume"
+    )  # fmt: skip
+    assert_nothing_left(job)
+
+
 def test_ctrl_c_during_the_checks_before_launch_is_one_line(tmp_path):
     """Ctrl-C while the launcher's checks still import: exit 130 and the one line (it printed
     a KeyboardInterrupt traceback and exited 1), nothing launched, nothing left."""

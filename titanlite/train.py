@@ -14,26 +14,34 @@ takes seconds, and a Ctrl-C meanwhile must be the same orderly stop as later.
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import os
-import signal
 import sys
 
-from titanlite import run_lock, stop_signals
-from titanlite.errors import (
-    EXIT_COMM_FAILURE,
-    EXIT_DIVERGED,
-    EXIT_INTERRUPTED,
-    EXIT_OK,
-    EXIT_PREEMPTED,
-    EXIT_USER_ERROR,
-    Interrupted,
-    Preempted,
-    TrainingDiverged,
-    UserError,
-    error_lines,
-)
+try:
+    import contextlib
+    import logging
+    import os
+    import signal
+
+    from titanlite import run_lock, stop_signals
+    from titanlite.errors import (
+        EXIT_COMM_FAILURE,
+        EXIT_DIVERGED,
+        EXIT_INTERRUPTED,
+        EXIT_OK,
+        EXIT_PREEMPTED,
+        EXIT_USER_ERROR,
+        Interrupted,
+        Preempted,
+        TrainingDiverged,
+        UserError,
+        error_lines,
+    )
+except KeyboardInterrupt:  # Ctrl-C before main() can install the handlers: the same line
+    if __name__ != "__main__":
+        raise
+    sys.stderr.write("titanlite: interrupted (Ctrl-C) during start-up, before step 1; nothing "
+                     "new to save; run the same command to resume\n")  # fmt: skip
+    raise SystemExit(130) from None
 
 logger = logging.getLogger("titanlite.train")
 

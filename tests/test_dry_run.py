@@ -151,6 +151,7 @@ def _figure(pattern: str, out: str) -> str:
     return found.group(1)
 
 
+@pytest.mark.slow  # seconds each: the fast subset stays under a minute
 def test_moe_dry_run_sizes_qwen3_235b_on_256_ranks_under_expert_parallelism(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -199,6 +200,7 @@ def test_moe_dry_run_sizes_qwen3_235b_on_256_ranks_under_expert_parallelism(
     assert figures[16]["sent"] * 14 == figures[8]["sent"] * 15, figures  # 15/16 vs 7/8 leave
 
 
+@pytest.mark.slow  # seconds each: the fast subset stays under a minute
 def test_moe_dry_run_sizes_qwen3_5_397b_a17b(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -417,6 +417,7 @@ def test_context_parallelism_is_a_valid_moe_layout_and_a_bad_top_k_is_an_error()
         SPEC.make_args("debugmodel", 4096, 64, {"top_k": 9})
 
 
+@pytest.mark.slow  # starts worker pools: the fast subset stays under a minute
 @pytest.mark.parametrize("world", [2, 4])
 def test_expert_parallel_dispatch_matches_local_experts(world: int) -> None:
     """The all-to-all dispatch and combine of expert parallelism, on real gloo ranks: outputs,

@@ -279,33 +279,29 @@ def caught(pid: int, sig: int) -> bool:
     return bool(mask >> (sig - 1) & 1)
 
 
-# Holds the checks run_train.sh starts first (titanlite.preflight) for 2 s in an import, so a
-# Ctrl-C lands while Python is still importing.
-SLOW_PREFLIGHT = """
+def holding_an_import(tmp_path: Path, process: str, module: str) -> dict[str, str]:
+    """Environment under which PROCESS (a module run with -m) holds its import of MODULE for
+    2 s, so that a Ctrl-C lands while Python is still importing."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(f"""
 import sys, time
 class _Slow:
     def find_spec(self, name, path=None, target=None):
-        if name == "titanlite.checks":
+        if name == {module!r}:
             time.sleep(2)
         return None
-if b"titanlite.preflight" in open("/proc/self/cmdline", "rb").read():
+if {process.encode()!r} in open("/proc/self/cmdline", "rb").read():
     sys.meta_path.insert(0, _Slow())
-"""
-
-
-SLOW_TRAINER_IMPORT = SLOW_PREFLIGHT.replace("titanlite.checks", "titanlite.run_lock").replace(
-    "titanlite.preflight", "titanlite.train"
-)
+""")
+    return {"PYTHONPATH": str(hook)}
 
 
 def test_ctrl_c_before_the_trainer_can_handle_it_is_the_start_up_line(tmp_path):
     """One process, Ctrl-C while the trainer still imports what it needs to install its
     handlers (an import held 2 s): the start-up line and exit 130, no traceback."""
     out = tmp_path / "run"
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(SLOW_TRAINER_IMPORT)
-    job = Launch(out, 1, PYTHONPATH=str(hook))
+    job = Launch(out, 1, **holding_an_import(tmp_path, "titanlite.train", "titanlite.run_lock"))
     job.wait_until("the trainer", lambda: b"titanlite.train" in Path(
         f"/proc/{job.proc.pid}/cmdline").read_bytes())  # fmt: skip
     time.sleep(0.5)  # inside the held import
@@ -323,10 +319,7 @@ def test_ctrl_c_during_the_checks_before_launch_is_one_line(tmp_path):
     """Ctrl-C while the launcher's checks still import: exit 130 and the one line (it printed
     a KeyboardInterrupt traceback and exited 1), nothing launched, nothing left."""
     out = tmp_path / "run"
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(SLOW_PREFLIGHT)
-    job = Launch(out, 1, PYTHONPATH=str(hook))
+    job = Launch(out, 1, **holding_an_import(tmp_path, "titanlite.preflight", "titanlite.checks"))
     job.wait_until("the checks", lambda: any(
         b"titanlite.preflight" in Path(f"/proc/{p}/cmdline").read_bytes()
         for p in processes_of(out)

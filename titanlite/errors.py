@@ -66,6 +66,17 @@ class Interrupted(RuntimeError):
     """Stopped on Ctrl-C (SIGINT), after saving when checkpoints are on (EXIT_INTERRUPTED); the
     same command resumes."""
 
+    @classmethod
+    def at(cls, where: str, saved: bool) -> Interrupted:
+        """Stopped ``where`` ("at step 7", "during start-up, before step 1"), ``saved`` or not."""
+        return cls(f"interrupted (Ctrl-C) {where}; "
+                   f"{'checkpoint saved' if saved else 'nothing new to save'}")  # fmt: skip
+
+
+def resume_line(stop: Exception) -> str:
+    """The last line of a run a signal stopped (Interrupted, Preempted)."""
+    return f"titanlite: {stop}; run the same command to resume"
+
 
 EXIT_OK = 0
 EXIT_USER_ERROR = 2

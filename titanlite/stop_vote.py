@@ -84,8 +84,7 @@ class StopVote:
         checkpoint is complete), or during start-up, before ``step``."""
         if self.level == INTERRUPTED:
             where = f"during start-up, before step {step}" if startup else f"at step {step}"
-            done = "checkpoint saved" if saved else "nothing new to save"
-            return Interrupted(f"interrupted (Ctrl-C) {where}; {done}")
+            return Interrupted.at(where, saved)
         if startup:
             return Preempted(f"stopped during start-up on signal {self.signal}, before step "
                              f"{step}; nothing new to save")  # fmt: skip

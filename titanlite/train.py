@@ -35,13 +35,16 @@ try:
         TrainingDiverged,
         UserError,
         error_lines,
+        resume_line,
     )
 except KeyboardInterrupt:  # Ctrl-C before main() can install the handlers: the same line
     if __name__ != "__main__":
         raise
-    sys.stderr.write("titanlite: interrupted (Ctrl-C) during start-up, before step 1; nothing "
-                     "new to save; run the same command to resume\n")  # fmt: skip
-    raise SystemExit(130) from None
+    from titanlite.errors import EXIT_INTERRUPTED, Interrupted, resume_line
+
+    stop = Interrupted.at("during start-up, before step 1", saved=False)
+    sys.stderr.write(resume_line(stop) + "\n")
+    raise SystemExit(EXIT_INTERRUPTED) from None
 
 logger = logging.getLogger("titanlite.train")
 
@@ -113,13 +116,13 @@ def run(argv: list[str]) -> int:
         lost = True
         return report_error(e, EXIT_COMM_FAILURE)
     except Interrupted as e:
-        line = f"titanlite: {e}; run the same command to resume"
+        line = resume_line(e)
         sys.stderr.write(line + "\n")  # the user pressed Ctrl-C: the answer goes to the terminal
         return record_status([line], EXIT_INTERRUPTED)
     except Preempted as e:
         logger.warning("%s; exiting with status %d so the job can be requeued", e, EXIT_PREEMPTED)
         # Not an error, but the launcher must see 75 (torchrun itself exits 1).
-        return record_status([f"titanlite: {e}; run the same command to resume"], EXIT_PREEMPTED)
+        return record_status([resume_line(e)], EXIT_PREEMPTED)
     except RuntimeError as e:  # last: the stops and TrainingDiverged are RuntimeErrors too
         if not (is_comm_failure(e) and distributed.world_size() > 1):
             raise

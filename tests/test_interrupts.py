@@ -299,7 +299,8 @@ if {process.encode()!r} in open("/proc/self/cmdline", "rb").read():
 
 def test_ctrl_c_before_the_trainer_can_handle_it_is_the_start_up_line(tmp_path):
     """One process, Ctrl-C while the trainer still imports what it needs to install its
-    handlers (an import held 2 s): the start-up line and exit 130, no traceback."""
+    handlers (an import held 2 s): the start-up line (without a step: a resumed run's is not
+    known yet) and exit 130, no traceback."""
     out = tmp_path / "run"
     job = Launch(out, 1, **holding_an_import(tmp_path, "titanlite.train", "titanlite.run_lock"))
     job.wait_until("the trainer", lambda: b"titanlite.train" in Path(
@@ -309,8 +310,8 @@ def test_ctrl_c_before_the_trainer_can_handle_it_is_the_start_up_line(tmp_path):
     assert job.wait() == EXIT_INTERRUPTED, job.output()
     assert "Traceback" not in job.output() and "KeyboardInterrupt" not in job.output()
     assert job.output().strip().splitlines()[-1] == (
-        "titanlite: interrupted (Ctrl-C) during start-up, before step 1; nothing new to save; "
-        "run the same command to resume"
+        "titanlite: interrupted (Ctrl-C) during start-up; nothing new to save; run the same "
+        "command to resume"
     )  # fmt: skip
     assert_nothing_left(job)
 

@@ -42,7 +42,7 @@ except KeyboardInterrupt:  # Ctrl-C before main() can install the handlers: the 
         raise
     from titanlite.errors import EXIT_INTERRUPTED, Interrupted, resume_line
 
-    stop = Interrupted.at("during start-up, before step 1", saved=False)
+    stop = Interrupted.at("during start-up", saved=False)  # which step is not known yet
     sys.stderr.write(resume_line(stop) + "\n")
     raise SystemExit(EXIT_INTERRUPTED) from None
 

@@ -94,14 +94,16 @@ class Launch:
         return self.log.read_text()[-5000:]
 
 
-def processes_of(out: Path) -> list[int]:
+def processes_of(out: Path, naming: bytes = b"") -> list[int]:
     """Every live process whose command line names the run's folder (launcher, preflight,
-    torchrun, trainers); zombies have none."""
+    torchrun, trainers) and `naming`; zombies have none. Read in one pass: a short-lived
+    process may be gone between the listing and the read."""
     needle, found = str(out).encode(), []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and int(entry.name) != os.getpid():
             try:
-                if needle in (entry / "cmdline").read_bytes():
+                cmdline = (entry / "cmdline").read_bytes()
+                if needle in cmdline and naming in cmdline:
                     found.append(int(entry.name))
             except OSError:
                 continue
@@ -321,10 +323,7 @@ def test_ctrl_c_during_the_checks_before_launch_is_one_line(tmp_path):
     a KeyboardInterrupt traceback and exited 1), nothing launched, nothing left."""
     out = tmp_path / "run"
     job = Launch(out, 1, **holding_an_import(tmp_path, "titanlite.preflight", "titanlite.checks"))
-    job.wait_until("the checks", lambda: any(
-        b"titanlite.preflight" in Path(f"/proc/{p}/cmdline").read_bytes()
-        for p in processes_of(out)
-    ))  # fmt: skip
+    job.wait_until("the checks", lambda: processes_of(out, b"titanlite.preflight"))
     time.sleep(0.5)  # inside the held import
     job.ctrl_c()
     assert job.wait() == EXIT_INTERRUPTED, job.output()
@@ -345,10 +344,7 @@ def test_ctrl_c_during_start_up_exits_130_without_a_save(tmp_path, ngpu):
     if ngpu == 1:  # run_train.sh execs the trainer: this pid
         job.wait_until("the trainer's handlers", lambda: caught(job.proc.pid, signal.SIGUSR1))
     else:
-        job.wait_until("torchrun", lambda: any(
-            b"torch.distributed.run" in Path(f"/proc/{p}/cmdline").read_bytes()
-            for p in processes_of(out)
-        ))  # fmt: skip
+        job.wait_until("torchrun", lambda: processes_of(out, b"torch.distributed.run"))
     job.ctrl_c()
     started = time.monotonic()
     assert job.wait() == EXIT_INTERRUPTED, job.output()

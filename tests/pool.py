@@ -97,7 +97,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
@@ -334,7 +334,7 @@ class WorkerPool:
                     os.kill(self._processes[rank].pid, pool_worker.DUMP_SIGNAL)
                 except ProcessLookupError:
                     pass
-            time.sleep(0.5)
+            self._await_dumps(pending, offsets)
         self.last_logs = [replies[r][3] if r in replies else [] for r in range(self.world_size)]
         self.last_output = [self._read_output(r, offsets[r]) for r in range(self.world_size)]
         problems = {r: reply[2] for r, reply in sorted(replies.items()) if reply[0] == "error"}
@@ -417,6 +417,17 @@ class WorkerPool:
         except OSError:
             return 0
 
+    def _await_dumps(self, ranks: Iterable[int], offsets: list[int], within: float = 10.0) -> None:
+        """Until each rank's stack dump is in its output (a loaded machine may run the dumping
+        process late), or ``within`` seconds; a rank that died has none."""
+        deadline = time.monotonic() + within
+        waiting = set(ranks)
+        while waiting and time.monotonic() < deadline:
+            waiting = {r for r in waiting if "most recent call first" not in
+                       self._read_output(r, offsets[r]) and self._processes[r].is_alive()}  # fmt: skip
+            time.sleep(0.05)
+        time.sleep(0.1)  # the dump's last lines
+
     def _read_output(self, rank: int, offset: int) -> str:
         try:
             with open(self._output_file(rank), "rb") as f:
@@ -427,7 +438,7 @@ class WorkerPool:
 
     def _exitcode(self, rank: int) -> str:
         process = self._processes[rank]
-        process.join(1)
+        process.join(10)
         code = process.exitcode
         if code is not None and code < 0:
             return f"{code}, {signal.Signals(-code).name}"

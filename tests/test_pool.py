@@ -204,10 +204,10 @@ def test_hung_scenario_times_out_and_pool_restarts() -> None:
     before = pool.run(pid)
     starts = pool.starts
     with pytest.raises(ScenarioError) as failure:
-        pool.run(wait_in_collective, timeout=2)
+        pool.run(wait_in_collective, timeout=5)
     error = failure.value
     assert error.kind == "timeout" and sorted(error.tracebacks) == [0]
-    assert "timed out after 2 s on ranks [0]" in str(error)
+    assert "timed out after 5 s on ranks [0]" in str(error)
     # The stuck rank's Python stack, dumped just before the kill, shows where it waits.
     assert "in wait_in_collective" in error.output[0] and "all_reduce" in error.output[0]
     assert not pool.alive

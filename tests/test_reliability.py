@@ -37,7 +37,11 @@ def logged_steps(out: Path) -> list[int]:
     path = out / "metrics.jsonl"
     if not path.is_file():
         return []
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text()
+    lines = text.splitlines()
+    if lines and not text.endswith("\n"):
+        lines.pop()  # being written right now
+    records = [json.loads(line) for line in lines if line.strip()]
     return [r["step"] for r in records if "loss" in r]
 
 
@@ -99,8 +103,9 @@ def test_a_lost_rank_is_named_and_the_others_stop_within_the_timeout(tmp_path, f
     assert "RuntimeError" not in errors[0] and ".cc:" not in errors[0]
     # A fifth of the timeout per heartbeat, three missed ones to call a rank lost: 4-7 s on a
     # quiet machine (docs/reliability.md). The bound doubles that and adds slack for a loaded CI
-    # machine (9.5 s was seen there); it still fails at torch's default of 30 minutes.
-    bound = 2 * (TIMEOUT_S + 4 * TIMEOUT_S / 5) + 10
+    # machine (9.5 s was seen there; the survivor's exit joins its loader threads too); it still
+    # fails at torch's default of 30 minutes.
+    bound = 2 * (TIMEOUT_S + 4 * TIMEOUT_S / 5) + 30
     assert waited < bound, f"rank {survivor} took {waited:.1f} s to stop (bound {bound:.1f} s)"
     print(f"{fault} of rank {victim}: rank {survivor} exited {status} {waited:.1f} s later: "
           f"{errors[0]}")  # fmt: skip

@@ -30,8 +30,9 @@ run_lock.REFRESH_S = float(sys.argv[3])
 lock = run_lock.acquire(sys.argv[1], "training")
 print("held", flush=True)
 time.sleep(float(sys.argv[2]))
+releasing = time.time()
 lock.release()
-print("released", time.time(), flush=True)
+print("released", releasing, flush=True)
 """
 
 
@@ -114,13 +115,13 @@ def test_a_reused_pid_or_an_unreadable_lock_holds_nothing(tmp_path, no_slurm):
 def test_a_requeued_job_waits_for_its_previous_attempt_and_never_runs_beside_it(
     tmp_path, monkeypatch
 ):
-    """The previous attempt (same SLURM job, restart 0) still holds the folder for 1.5 s: the
+    """The previous attempt (same SLURM job, restart 0) still holds the folder for 3 s: the
     requeued attempt (restart 1) passes the launcher's check, waits, and takes the folder only
     once it is released; within a shorter wait it gives up (no deadlock); another job is
     refused at once."""
     folder = tmp_path / "run"
     job = {"SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "0"}
-    previous = Holder(folder, 1.5, **job)
+    previous = Holder(folder, 3, **job)
     monkeypatch.setenv("SLURM_JOB_ID", "4343")
     started = time.monotonic()
     with pytest.raises(run_lock.RunFolderBusy, match="SLURM job 4242"):

@@ -235,7 +235,7 @@ def _acquire(folder: Path, what: str, wait_s: float) -> RunLock:
                                "to release %s (%s)", wait_s, me.job, folder,
                                holder.describe())  # fmt: skip
                 waited = True
-            time.sleep(1.0)
+            time.sleep(min(1.0, deadline - time.monotonic()))  # not past the deadline
             continue
         raise busy_error(folder, holder)
     raise RunFolderBusy(

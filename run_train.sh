@@ -171,8 +171,17 @@ main() {
     exec "$py" -m titanlite.train --job.config_file "$config" "$@"
   fi
 
-  errors="$(mktemp -t titanlite-errors.XXXXXX)"
-  pids="$(mktemp -t titanlite-pids.XXXXXX)"
+  # Two small files of this launch: the ranks' error lines and their pids (for the Ctrl-C relay).
+  # They live in the run's logs folder under this node's name, emptied at each launch: a
+  # launcher killed with SIGKILL cannot remove them, and in /tmp they piled up. (uname, not
+  # $HOSTNAME: sbatch exports the submitting host's environment to every node.)
+  node="$(uname -n 2>/dev/null || echo node)"
+  errors="$dump_folder/logs/launcher.$node.errors" pids="$dump_folder/logs/launcher.$node.pids"
+  if [ -z "$dump_folder" ] || ! mkdir -p "$dump_folder/logs" 2>/dev/null \
+     || ! : >"$errors" 2>/dev/null || ! : >"$pids" 2>/dev/null; then
+    errors="$(mktemp -t titanlite-errors.XXXXXX)"
+    pids="$(mktemp -t titanlite-pids.XXXXXX)"
+  fi
   trap 'rm -f "$errors" "$pids"' EXIT
   export TITANLITE_ERROR_FILE="$errors" TITANLITE_INTERRUPT_PIDS="$pids" TITANLITE_LAUNCHER_PID=$$
 

@@ -251,13 +251,19 @@ def test_sigkill_of_the_whole_job_leaves_no_trainer_and_the_same_command_resumes
 ):
     """SIGKILL of the launcher's process group (run_train.sh and torchrun; the trainers are in
     sessions of their own) once step-4 is saved: the trainers die with torchrun, and the same
-    command takes over the dead run's lock with a warning and resumes exactly from step-4."""
+    command takes over the dead run's lock with a warning and resumes exactly from step-4.
+    The launcher's two scratch files, which it had no chance to remove, are in the run's logs
+    folder, not in TMPDIR."""
     out = tmp_path / "run"
-    job = Launch(out, 2)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    job = Launch(out, 2, TMPDIR=str(scratch))
     job.wait_until("step-4 is saved", (out / "checkpoint" / "step-4").is_dir)
     os.killpg(job.proc.pid, signal.SIGKILL)
     job.wait()
     left_s = assert_nothing_left(job)
+    assert not [p.name for p in scratch.iterdir() if p.name.startswith("titanlite")]
+    assert sorted(p.suffix for p in (out / "logs").glob("launcher.*")) == [".errors", ".pids"]
     holder = run_lock.read(out / "run.lock")
     assert holder is not None  # nobody released it
     # A killed trainer's command line reads empty while the kernel still tears it down (a

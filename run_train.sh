@@ -103,7 +103,10 @@ main() {
     config="$1"; shift
   fi
 
-  py="$("$repo/scripts/setup_env.sh")" || exit $?
+  py="$("$repo/scripts/setup_env.sh")"
+  status=$?
+  not_launched_if_interrupted  # a Ctrl-C while it checked or installed
+  [ "$status" -eq 0 ] || exit "$status"
 
   for arg in "$@"; do
     if [ "$arg" = "--help" ] || [ "$arg" = "-h" ]; then

@@ -12,6 +12,9 @@
 # Environment: TITANLITE_PYTHON (use exactly this interpreter), TITANLITE_TORCH,
 # TITANLITE_VENV (where to make the environment).
 set -euo pipefail
+# Ctrl-C stops here, whatever was running: a child that handles it and exits non-zero inside a
+# check would otherwise read as "modules missing" and start an installation.
+trap 'exit 130' INT
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 dev=0
 [ "${1:-}" = "--dev" ] && dev=1

@@ -291,9 +291,10 @@ def caught(pid: int, sig: int) -> bool:
 
 
 def holding_an_import(tmp_path: Path, process: str, module: str) -> tuple[dict[str, str], Path]:
-    """Environment under which PROCESS (a module run with -m) holds its import of MODULE for
-    3 s, so that a Ctrl-C lands while Python is still importing, and the file that appears
-    when the hold begins (a Ctrl-C before it would land in the interpreter's own start-up)."""
+    """Environment under which PROCESS (what its command line contains, e.g. the module run
+    with -m) holds its import or look-up of MODULE for 3 s, so that a Ctrl-C lands while Python
+    is still importing, and the file that gets a line when a hold begins (a Ctrl-C before it
+    would land in the interpreter's own start-up)."""
     hook, holding = tmp_path / "hook", tmp_path / "holding"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(f"""
@@ -301,7 +302,8 @@ import sys, time
 class _Slow:
     def find_spec(self, name, path=None, target=None):
         if name == {module!r}:
-            open({str(holding)!r}, "w").close()
+            with open({str(holding)!r}, "a") as held:
+                held.write("held\\n")
             time.sleep(3)
         return None
 if {process.encode()!r} in open("/proc/self/cmdline", "rb").read():
@@ -340,6 +342,24 @@ def test_ctrl_c_during_the_checks_before_launch_is_one_line(tmp_path):
     assert "Traceback" not in job.output() and "KeyboardInterrupt" not in job.output()
     last = job.output().strip().splitlines()[-1]
     assert last == "titanlite: interrupted (Ctrl-C) before the run started; nothing ran", last
+    assert_nothing_left(job)
+    assert not out.exists()
+
+
+def test_ctrl_c_while_the_launcher_checks_its_python_stops_there(tmp_path):
+    """Ctrl-C while scripts/setup_env.sh asks a Python whether titanlite's modules import (the
+    look-up held): the one line and exit 130 (it exited 130 silently), and nothing after it
+    (a check cut short must not read as "modules missing" and go on to install them)."""
+    out = tmp_path / "run"
+    env, holding = holding_an_import(tmp_path, "sentencepiece", "torch")  # can_run's argument
+    job = Launch(out, 1, TITANLITE_PYTHON="", **env)
+    job.wait_until("the held check", holding.exists)
+    job.ctrl_c()
+    assert job.wait() == EXIT_INTERRUPTED, job.output()
+    assert job.output().strip().splitlines() == [
+        "titanlite: interrupted (Ctrl-C) before the run started; nothing ran"
+    ]  # fmt: skip
+    assert holding.read_text() == "held\n"  # one check, then nothing
     assert_nothing_left(job)
     assert not out.exists()
 

@@ -175,13 +175,29 @@ main() {
   fi
 
   # Two small files of this launch: the ranks' error lines and their pids (for the Ctrl-C relay).
-  # They live in the run's logs folder under this node's name, emptied at each launch: a
-  # launcher killed with SIGKILL cannot remove them, and in /tmp they piled up. (uname, not
-  # $HOSTNAME: sbatch exports the submitting host's environment to every node.)
+  # They live in the run's logs folder, named by node and launcher pid (a second launch on the
+  # same folder, refused by the run lock, must not touch the first's): a launcher killed with
+  # SIGKILL cannot remove them, and in /tmp they piled up, so each launch removes this node's
+  # files of launchers that are gone. (uname, not $HOSTNAME: sbatch exports the submitting
+  # host's environment to every node.)
   node="$(uname -n 2>/dev/null || echo node)"
-  errors="$dump_folder/logs/launcher.$node.errors" pids="$dump_folder/logs/launcher.$node.pids"
-  if [ -z "$dump_folder" ] || ! mkdir -p "$dump_folder/logs" 2>/dev/null \
-     || ! : >"$errors" 2>/dev/null || ! : >"$pids" 2>/dev/null; then
+  errors="" pids=""
+  if [ -n "$dump_folder" ] && mkdir -p "$dump_folder/logs" 2>/dev/null; then
+    for old in "$dump_folder/logs/launcher.$node".*.{errors,pids}; do
+      [ -e "$old" ] || [ -L "$old" ] || continue
+      pid="${old%.*}"; pid="${pid##*.}"
+      [[ "$pid" =~ ^[0-9]+$ ]] || continue
+      kill -0 "$pid" 2>/dev/null || [ -d "/proc/$pid" ] || rm -f "$old"
+    done
+    errors="$dump_folder/logs/launcher.$node.$$.errors"
+    pids="$dump_folder/logs/launcher.$node.$$.pids"
+    rm -f "$errors" "$pids"
+    # Created anew (noclobber): never through a link left in their place.
+    if ! (set -C; : >"$errors" && : >"$pids") 2>/dev/null; then
+      rm -f "$errors" "$pids"; errors="" pids=""
+    fi
+  fi
+  if [ -z "$errors" ]; then
     errors="$(mktemp -t titanlite-errors.XXXXXX)"
     pids="$(mktemp -t titanlite-pids.XXXXXX)"
   fi

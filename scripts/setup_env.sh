@@ -63,11 +63,16 @@ pip=("$py" -m pip install --disable-pip-version-check --no-compile)
 extra=""; [ "$dev" = 1 ] && extra="[dev]"
 "${pip[@]}" -e "$repo$extra" >&2
 "$py" - <<'PY' >&2
-import compileall, sysconfig
+import compileall, os, sysconfig
 # Files that are not Python 3 (templates, test data in some packages) fail to compile, as
-# they do under pip; they are never imported.
+# they do under pip; they are never imported. Worker processes need what a container may lack
+# (/dev/shm): then one process does it, as pip would have.
+cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 for path in sorted({sysconfig.get_path("purelib"), sysconfig.get_path("platlib")}):
-    compileall.compile_dir(path, quiet=2, workers=0)
+    try:
+        compileall.compile_dir(path, quiet=2, workers=cores or 1)
+    except Exception:
+        compileall.compile_dir(path, quiet=2, workers=1)
 PY
 echo "$want" >"$stamp"
 echo "$py"

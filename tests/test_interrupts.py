@@ -220,10 +220,19 @@ def test_ctrl_c_mid_run_one_process_saves_exits_130_and_resumes_exactly(tmp_path
 def test_ctrl_c_mid_run_through_torchrun_stops_every_rank_at_one_step(tmp_path, baselines):
     """NGPU=2 (torchrun; the launcher relays Ctrl-C to the trainers, which run in sessions of
     their own): both ranks stop at one step, save it, exit 130; resumed losses are exact.
-    Each rank's output is kept in the run's folder, and the launch leaves nothing in TMPDIR."""
+    Each rank's output is kept in the run's folder, and the launch leaves nothing in TMPDIR;
+    it removed the scratch files a SIGKILLed launcher left on this node, not a live one's."""
     out = tmp_path / "run"
     scratch = tmp_path / "tmp"
     scratch.mkdir()
+    gone = subprocess.Popen(["true"])  # a launcher pid that no longer runs
+    gone.wait()
+    node, logs = os.uname().nodename, out / "logs"
+    logs.mkdir(parents=True)
+    left = [logs / f"launcher.{node}.{gone.pid}.errors", logs / f"launcher.{node}.{gone.pid}.pids"]
+    live = [logs / f"launcher.{node}.{os.getpid()}.pids", logs / f"launcher.other.{gone.pid}.pids"]
+    for path in left + live:
+        path.write_text("")
     job = Launch(out, 2, TMPDIR=str(scratch))
     job.wait_until("step 3", lambda: len(logged_steps(out)) >= 3)
     job.ctrl_c()
@@ -231,7 +240,8 @@ def test_ctrl_c_mid_run_through_torchrun_stops_every_rank_at_one_step(tmp_path, 
     stopped = assert_stopped_and_saved(job, job.wait())
     stop_s = time.monotonic() - started
     left_s = assert_nothing_left(job)
-    (launch_logs,) = (out / "logs").iterdir()  # torchrun's, one folder per launch
+    assert sorted(p for p in logs.iterdir() if p.is_file()) == sorted(live)
+    (launch_logs,) = (p for p in logs.iterdir() if p.is_dir())  # torchrun's, one per launch
     ranks = launch_logs / "attempt_0"
     assert sorted(p.name for p in ranks.iterdir()) == ["0", "1"]
     assert f"interrupted (Ctrl-C) at step {stopped}" in (ranks / "0" / "stderr.log").read_text()
@@ -314,7 +324,7 @@ if {process.encode()!r} in open("/proc/self/cmdline", "rb").read():
 
 def test_ctrl_c_before_the_trainer_can_handle_it_is_the_start_up_line(tmp_path):
     """One process, Ctrl-C while the trainer still imports what it needs to install its
-    handlers (an import held 2 s): the start-up line (without a step: a resumed run's is not
+    handlers (an import held 3 s): the start-up line (without a step: a resumed run's is not
     known yet) and exit 130, no traceback."""
     out = tmp_path / "run"
     env, holding = holding_an_import(tmp_path, "titanlite.train", "titanlite.run_lock")
@@ -331,8 +341,9 @@ def test_ctrl_c_before_the_trainer_can_handle_it_is_the_start_up_line(tmp_path):
 
 
 def test_ctrl_c_during_the_checks_before_launch_is_one_line(tmp_path):
-    """Ctrl-C while the launcher's checks still import: exit 130 and the one line (it printed
-    a KeyboardInterrupt traceback and exited 1), nothing launched, nothing left."""
+    """Ctrl-C while the launcher's checks still import (an import held 3 s): exit 130 and the
+    one line (it printed a KeyboardInterrupt traceback and exited 1), nothing launched,
+    nothing left."""
     out = tmp_path / "run"
     env, holding = holding_an_import(tmp_path, "titanlite.preflight", "titanlite.checks")
     job = Launch(out, 1, **env)

@@ -229,13 +229,14 @@ def _acquire(folder: Path, what: str, wait_s: float) -> RunLock:
                 logger.warning("taking over job.dump_folder %s from a run that is gone (%s: %s)",
                                folder, holder.describe(), reason)  # fmt: skip
             continue
-        if _earlier_attempt(holder, me) and time.monotonic() < deadline:
+        left = deadline - time.monotonic()
+        if _earlier_attempt(holder, me) and left > 0:
             if not waited:
                 logger.warning("waiting up to %g s for the previous attempt of SLURM job %s "
                                "to release %s (%s)", wait_s, me.job, folder,
                                holder.describe())  # fmt: skip
                 waited = True
-            time.sleep(min(1.0, deadline - time.monotonic()))  # not past the deadline
+            time.sleep(min(1.0, left))  # not past the deadline
             continue
         raise busy_error(folder, holder)
     raise RunFolderBusy(

@@ -300,11 +300,13 @@ def caught(pid: int, sig: int) -> bool:
     return bool(mask >> (sig - 1) & 1)
 
 
-def holding_an_import(tmp_path: Path, process: str, module: str) -> tuple[dict[str, str], Path]:
-    """Environment under which PROCESS (what its command line contains, e.g. the module run
-    with -m) holds its import or look-up of MODULE for 3 s, so that a Ctrl-C lands while Python
-    is still importing, and the file that gets a line when a hold begins (a Ctrl-C before it
-    would land in the interpreter's own start-up)."""
+def ctrl_c_in_a_held_import(
+    tmp_path: Path, process: str, module: str, **env: str
+) -> tuple[Launch, Path]:
+    """A one-process launch in which PROCESS (what its command line contains, e.g. the module
+    run with -m) holds its import or look-up of MODULE for 3 s, Ctrl-C once the hold began (a
+    Ctrl-C before it would land in the interpreter's own start-up), and exit 130. The launch
+    and the file that got a line for each hold."""
     hook, holding = tmp_path / "hook", tmp_path / "holding"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(f"""
@@ -319,19 +321,18 @@ class _Slow:
 if {process.encode()!r} in open("/proc/self/cmdline", "rb").read():
     sys.meta_path.insert(0, _Slow())
 """)
-    return {"PYTHONPATH": str(hook)}, holding
+    job = Launch(tmp_path / "run", 1, PYTHONPATH=str(hook), **env)
+    job.wait_until(f"{process}'s held import of {module}", holding.exists)
+    job.ctrl_c()
+    assert job.wait() == EXIT_INTERRUPTED, job.output()
+    return job, holding
 
 
 def test_ctrl_c_before_the_trainer_can_handle_it_is_the_start_up_line(tmp_path):
     """One process, Ctrl-C while the trainer still imports what it needs to install its
     handlers (an import held 3 s): the start-up line (without a step: a resumed run's is not
     known yet) and exit 130, no traceback."""
-    out = tmp_path / "run"
-    env, holding = holding_an_import(tmp_path, "titanlite.train", "titanlite.run_lock")
-    job = Launch(out, 1, **env)
-    job.wait_until("the trainer's held import", holding.exists)
-    job.ctrl_c()
-    assert job.wait() == EXIT_INTERRUPTED, job.output()
+    job, _ = ctrl_c_in_a_held_import(tmp_path, "titanlite.train", "titanlite.run_lock")
     assert "Traceback" not in job.output() and "KeyboardInterrupt" not in job.output()
     assert job.output().strip().splitlines()[-1] == (
         "titanlite: interrupted (Ctrl-C) during start-up; nothing new to save; run the same "
@@ -344,35 +345,26 @@ def test_ctrl_c_during_the_checks_before_launch_is_one_line(tmp_path):
     """Ctrl-C while the launcher's checks still import (an import held 3 s): exit 130 and the
     one line (it printed a KeyboardInterrupt traceback and exited 1), nothing launched,
     nothing left."""
-    out = tmp_path / "run"
-    env, holding = holding_an_import(tmp_path, "titanlite.preflight", "titanlite.checks")
-    job = Launch(out, 1, **env)
-    job.wait_until("the checks' held import", holding.exists)
-    job.ctrl_c()
-    assert job.wait() == EXIT_INTERRUPTED, job.output()
+    job, _ = ctrl_c_in_a_held_import(tmp_path, "titanlite.preflight", "titanlite.checks")
     assert "Traceback" not in job.output() and "KeyboardInterrupt" not in job.output()
     last = job.output().strip().splitlines()[-1]
     assert last == "titanlite: interrupted (Ctrl-C) before the run started; nothing ran", last
     assert_nothing_left(job)
-    assert not out.exists()
+    assert not job.out.exists()
 
 
 def test_ctrl_c_while_the_launcher_checks_its_python_stops_there(tmp_path):
     """Ctrl-C while scripts/setup_env.sh asks a Python whether titanlite's modules import (the
     look-up held): the one line and exit 130 (it exited 130 silently), and nothing after it
     (a check cut short must not read as "modules missing" and go on to install them)."""
-    out = tmp_path / "run"
-    env, holding = holding_an_import(tmp_path, "sentencepiece", "torch")  # can_run's argument
-    job = Launch(out, 1, TITANLITE_PYTHON="", **env)
-    job.wait_until("the held check", holding.exists)
-    job.ctrl_c()
-    assert job.wait() == EXIT_INTERRUPTED, job.output()
+    # "sentencepiece": in the check's command line (the modules it looks up)
+    job, holding = ctrl_c_in_a_held_import(tmp_path, "sentencepiece", "torch", TITANLITE_PYTHON="")
     assert job.output().strip().splitlines() == [
         "titanlite: interrupted (Ctrl-C) before the run started; nothing ran"
     ]  # fmt: skip
     assert holding.read_text() == "held\n"  # one check, then nothing
     assert_nothing_left(job)
-    assert not out.exists()
+    assert not job.out.exists()
 
 
 @pytest.mark.parametrize("ngpu", [1, 2])

@@ -322,7 +322,12 @@ if {process.encode()!r} in open("/proc/self/cmdline", "rb").read():
     sys.meta_path.insert(0, _Slow())
 """)
     job = Launch(tmp_path / "run", 1, PYTHONPATH=str(hook), **env)
-    job.wait_until(f"{process}'s held import of {module}", holding.exists)
+    # the line, not the file: open() creates it, and a Ctrl-C between that and the write (at
+    # close, one write) would leave it empty
+    job.wait_until(
+        f"{process}'s held import of {module}",
+        lambda: holding.exists() and holding.read_text().endswith("\n"),
+    )
     job.ctrl_c()
     assert job.wait() == EXIT_INTERRUPTED, job.output()
     return job, holding

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoints import write_checkpoint
 
 from titanlite.models import get
 from titanlite.models.attention import LatentCore
@@ -226,7 +227,7 @@ def test_export_to_transformers_gives_equal_logits_and_imports_back(
         with torch.no_grad():
             for block in list(model.layers.values())[args.first_k_dense :]:
                 block.feed_forward.expert_bias.zero_()
-    ckpt = write_checkpoint(tmp_path / "step-3", model)
+    ckpt = write_checkpoint(tmp_path / "step-3", model, step=3, model_name="deepseek_v3")
     out = tmp_path / "hf"
     assert convert_to_hf.main([str(ckpt), str(out)]) == 0
     config = json.loads((out / "config.json").read_text())
@@ -261,21 +262,6 @@ def test_export_to_transformers_gives_equal_logits_and_imports_back(
     for name, tensor in model.state_dict().items():  # the MTP depth's weights too
         assert torch.equal(restored[name], tensor), name
     assert any(n.startswith("mtp.0.") for n in restored) == bool(args.mtp_layers)
-
-
-def write_checkpoint(folder: Path, model: Decoder) -> Path:
-    """A model-only titanlite checkpoint of ``model`` (what the trainer's final save writes)."""
-    import torch.distributed.checkpoint as dcp
-
-    from titanlite.data.tokenizer import DEFAULT_TOKENIZER_PATH
-
-    dcp.save({"model": model.state_dict()}, checkpoint_id=str(folder))
-    sidecar = {
-        "format": 2, "step": 3, "model_only": True, "model_name": "deepseek_v3",
-        "model_args": dataclasses.asdict(model.args), "tokenizer": str(DEFAULT_TOKENIZER_PATH),
-    }  # fmt: skip
-    (folder / "titanlite.json").write_text(json.dumps(sidecar))
-    return folder
 
 
 # --------------------------------------------------------------------------- training

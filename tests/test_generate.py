@@ -3,8 +3,6 @@ generate.py script on a real checkpoint folder."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import subprocess
 import sys
@@ -12,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
+from checkpoints import write_checkpoint
 from torch import nn
 
 from titanlite.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
@@ -113,17 +111,7 @@ def test_stops_at_eos_and_truncates_the_context() -> None:
 # --------------------------------------------------------------------------- the script
 @pytest.fixture(scope="module")
 def checkpoint(model: Transformer, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("run") / "step-5"
-    dcp.save({"model": model.state_dict()}, checkpoint_id=str(folder))
-    sidecar = {
-        "format": 1,
-        "step": 5,
-        "model_args": dataclasses.asdict(ARGS),
-        "model_only": True,
-        "tokenizer": str(DEFAULT_TOKENIZER_PATH),
-    }
-    (folder / "titanlite.json").write_text(json.dumps(sidecar))
-    return folder
+    return write_checkpoint(tmp_path_factory.mktemp("run") / "step-5", model, step=5)
 
 
 def test_script_prints_prompt_and_greedy_continuation(

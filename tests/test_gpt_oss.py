@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoints import write_checkpoint
 
 from titanlite.models import get
 from titanlite.models.decoder import Decoder
@@ -45,20 +46,6 @@ def tiny(**changes: object) -> GptOssArgs:
     return GptOssArgs(**(base | changes))  # type: ignore[arg-type]
 
 
-def write_checkpoint(folder: Path, model: Decoder) -> Path:
-    import torch.distributed.checkpoint as dcp
-
-    from titanlite.data.tokenizer import DEFAULT_TOKENIZER_PATH
-
-    dcp.save({"model": model.state_dict()}, checkpoint_id=str(folder))
-    sidecar = {
-        "format": 2, "step": 1, "model_only": True, "model_name": "gpt_oss",
-        "model_args": dataclasses.asdict(model.args), "tokenizer": str(DEFAULT_TOKENIZER_PATH),
-    }  # fmt: skip
-    (folder / "titanlite.json").write_text(json.dumps(sidecar))
-    return folder
-
-
 def test_export_gives_transformers_the_same_logits_and_imports_back(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     sys.path.insert(0, str(REPO / "scripts"))
@@ -81,7 +68,8 @@ def test_export_gives_transformers_the_same_logits_and_imports_back(tmp_path: Pa
             if "experts.w" in name:
                 p.mul_(20)  # activations beyond the SwiGLU's clamp at 7
     out = tmp_path / "hf"
-    assert convert_to_hf.main([str(write_checkpoint(tmp_path / "step-1", model)), str(out)]) == 0
+    ckpt = write_checkpoint(tmp_path / "step-1", model, step=1, model_name="gpt_oss")
+    assert convert_to_hf.main([str(ckpt), str(out)]) == 0
     config = json.loads((out / "config.json").read_text())
     assert config["layer_types"] == ["sliding_attention", "full_attention"]
     assert config["rope_parameters"]["rope_type"] == "yarn"
@@ -136,7 +124,8 @@ def test_mxfp4_experts_import_to_the_values_they_encode(tmp_path: Path, capsys) 
     init_parameters(model, lambda name: SPEC.init_rule(args, name), 1)
     model.init_buffers()
     hf = tmp_path / "hf"
-    assert convert_to_hf.main([str(write_checkpoint(tmp_path / "step-1", model)), str(hf)]) == 0
+    ckpt = write_checkpoint(tmp_path / "step-1", model, step=1, model_name="gpt_oss")
+    assert convert_to_hf.main([str(ckpt), str(hf)]) == 0
     tensors = load_file(str(hf / "model.safetensors"))
     g, expected = torch.Generator().manual_seed(3), {}
     for name in [k for k in tensors if k.endswith(("gate_up_proj", "down_proj"))]:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from checkpoints import write_checkpoint
 
 from titanlite.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
 from titanlite.errors import EXIT_USER_ERROR, UserError
@@ -83,21 +84,6 @@ def tiny_model(args: ModelArgs, seed: int = 0) -> Transformer:
             layer.attention.wq.weight.mul_(20)
             layer.attention.wk.weight.mul_(20)
     return model
-
-
-def write_checkpoint(folder: Path, model: Transformer, extra: dict | None = None) -> Path:
-    """A titanlite checkpoint folder as the trainer writes it (DCP + titanlite.json)."""
-    state = {"model": model.state_dict(), **(extra or {})}
-    dcp.save(state, checkpoint_id=str(folder))
-    sidecar = {
-        "format": 1,
-        "step": 7,
-        "model_args": dataclasses.asdict(model.args),
-        "model_only": not extra,
-        "tokenizer": str(DEFAULT_TOKENIZER_PATH),
-    }
-    (folder / "titanlite.json").write_text(json.dumps(sidecar))
-    return folder
 
 
 def tokens(n: int = 48, seed: int = 0) -> torch.Tensor:
@@ -204,7 +190,7 @@ def test_tied_flag_with_distinct_weights_loads_untied(tmp_path: Path) -> None:
 
 
 def test_load_checkpoint_refuses_foreign_pickles(tmp_path: Path) -> None:
-    write_checkpoint(tmp_path, tiny_model(tiny_args()))
+    write_checkpoint(tmp_path, tiny_model(tiny_args()), step=7)
     sentinel = tmp_path / "pwned"
 
     class Exploit:
@@ -218,7 +204,7 @@ def test_load_checkpoint_refuses_foreign_pickles(tmp_path: Path) -> None:
 
 
 def test_load_checkpoint_names_shape_mismatch(tmp_path: Path) -> None:
-    write_checkpoint(tmp_path, tiny_model(tiny_args()))
+    write_checkpoint(tmp_path, tiny_model(tiny_args()), step=7)
     sidecar = json.loads((tmp_path / "titanlite.json").read_text())
     sidecar["model_args"]["dim"] = 128
     (tmp_path / "titanlite.json").write_text(json.dumps(sidecar))
@@ -236,7 +222,7 @@ def test_load_checkpoint_names_shape_mismatch(tmp_path: Path) -> None:
 def test_export_gives_transformers_the_same_logits(tmp_path: Path, shape: dict) -> None:
     transformers = pytest.importorskip("transformers")
     model = tiny_model(tiny_args(**shape), seed=1)
-    ckpt = write_checkpoint(tmp_path / "step-7", model)
+    ckpt = write_checkpoint(tmp_path / "step-7", model, step=7)
     out = tmp_path / "hf"
     assert convert_to_hf.main([str(ckpt), str(out)]) == 0
     config = json.loads((out / "config.json").read_text())
@@ -263,7 +249,7 @@ def test_export_gives_transformers_the_same_logits(tmp_path: Path, shape: dict) 
 @needs_transformers
 def test_exported_tokenizer_matches_titanlite(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
-    ckpt = write_checkpoint(tmp_path / "step-7", tiny_model(tiny_args()))
+    ckpt = write_checkpoint(tmp_path / "step-7", tiny_model(tiny_args()), step=7)
     assert convert_to_hf.main([str(ckpt), str(tmp_path / "hf")]) == 0
     ours = load_tokenizer(DEFAULT_TOKENIZER_PATH)
     texts = [TEXT, "Hello world", "a\n\n  b\tc  ", "12345 + 678 = 13023"]
@@ -302,7 +288,7 @@ def test_round_trip_through_sharded_bfloat16_and_float32(tmp_path: Path) -> None
     from safetensors import safe_open
 
     model = tiny_model(tiny_args(tie_embeddings=True), seed=2)
-    ckpt = write_checkpoint(tmp_path / "step-7", model)
+    ckpt = write_checkpoint(tmp_path / "step-7", model, step=7)
     out = tmp_path / "hf"
     assert convert_to_hf.main([str(ckpt), str(out), "--max-shard-size", "300KB"]) == 0
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -329,7 +315,7 @@ def test_round_trip_through_sharded_bfloat16_and_float32(tmp_path: Path) -> None
 
 # --------------------------------------------------------------------------- refusals
 def test_never_overwrites_user_data(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    ckpt = write_checkpoint(tmp_path / "step-7", tiny_model(tiny_args()))
+    ckpt = write_checkpoint(tmp_path / "step-7", tiny_model(tiny_args()), step=7)
     out = tmp_path / "mine"
     out.mkdir()
     (out / "notes.txt").write_text("precious")

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from checkpoints import write_checkpoint
 
 from titanlite.models import get
 from titanlite.models.decoder import Decoder
@@ -294,7 +295,7 @@ def test_export_to_transformers_gives_equal_logits_and_imports_back(tmp_path: Pa
         for name, p in model.named_parameters():
             if "router" in name:
                 p.mul_(40)
-    ckpt = write_checkpoint(tmp_path / "step-3", model)
+    ckpt = write_checkpoint(tmp_path / "step-3", model, step=3, model_name="qwen3_moe")
     out = tmp_path / "hf"
     assert convert_to_hf.main([str(ckpt), str(out)]) == 0
     config = json.loads((out / "config.json").read_text())
@@ -313,23 +314,8 @@ def test_export_to_transformers_gives_equal_logits_and_imports_back(tmp_path: Pa
     shutil.rmtree(out)
     shared = Decoder(moe_args(vocab_size=4096, shared_experts=1))
     init_parameters(shared, lambda name: SPEC.init_rule(shared.args, name), 1)
-    assert convert_to_hf.main([str(write_checkpoint(tmp_path / "s" / "step-1", shared)),
-                               str(out)]) == 2  # fmt: skip
-
-
-def write_checkpoint(folder: Path, model: Decoder) -> Path:
-    """A model-only titanlite checkpoint of ``model`` (what the trainer's final save writes)."""
-    import torch.distributed.checkpoint as dcp
-
-    from titanlite.data.tokenizer import DEFAULT_TOKENIZER_PATH
-
-    dcp.save({"model": model.state_dict()}, checkpoint_id=str(folder))
-    sidecar = {
-        "format": 2, "step": 3, "model_only": True, "model_name": "qwen3_moe",
-        "model_args": dataclasses.asdict(model.args), "tokenizer": str(DEFAULT_TOKENIZER_PATH),
-    }  # fmt: skip
-    (folder / "titanlite.json").write_text(json.dumps(sidecar))
-    return folder
+    ckpt = write_checkpoint(tmp_path / "s" / "step-1", shared, step=1, model_name="qwen3_moe")
+    assert convert_to_hf.main([str(ckpt), str(out)]) == 2
 
 
 # --------------------------------------------------------------------------- training

@@ -3,16 +3,14 @@ through transformers' Qwen3ForCausalLM with equal logits."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
+from checkpoints import write_checkpoint
 
-from titanlite.data.tokenizer import DEFAULT_TOKENIZER_PATH
 from titanlite.interop.checkpoint_model import load_checkpoint_model
 from titanlite.models import get
 from titanlite.models.decoder import Decoder
@@ -117,16 +115,6 @@ def test_unknown_override_names_the_family() -> None:
         QWEN3.make_args("debugmodel", 4096, 64, {"multiple_of": 64})
 
 
-def write_checkpoint(folder: Path, model: Decoder) -> Path:
-    dcp.save({"model": model.state_dict()}, checkpoint_id=str(folder))
-    sidecar = {
-        "format": 2, "step": 3, "model_only": True, "model_name": "qwen3",
-        "model_args": dataclasses.asdict(model.args), "tokenizer": str(DEFAULT_TOKENIZER_PATH),
-    }  # fmt: skip
-    (folder / "titanlite.json").write_text(json.dumps(sidecar))
-    return folder
-
-
 def test_config_round_trip() -> None:
     args = tiny_args(tie_embeddings=False)
     assert from_hf_config(to_hf_config(args)) == args
@@ -137,7 +125,7 @@ def test_config_round_trip() -> None:
 def test_export_import_through_transformers_gives_equal_logits(tmp_path: Path, tie: bool) -> None:
     transformers = pytest.importorskip("transformers")
     model = tiny_model(tiny_args(tie_embeddings=tie), seed=1)
-    ckpt = write_checkpoint(tmp_path / "step-3", model)
+    ckpt = write_checkpoint(tmp_path / "step-3", model, step=3, model_name="qwen3")
     out = tmp_path / "hf"
     assert convert_to_hf.main([str(ckpt), str(out)]) == 0
     config = json.loads((out / "config.json").read_text())

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 import train_scenarios
+from checkpoints import write_checkpoint
 from pool import get_pool
 
 from titanlite.errors import UserError
@@ -27,7 +28,6 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 import convert_from_hf  # noqa: E402
 import convert_to_hf  # noqa: E402
-from test_qwen3 import write_checkpoint  # noqa: E402
 
 QWEN35 = get("qwen3_5")
 pytestmark = [
@@ -210,10 +210,7 @@ def test_export_import_through_transformers_gives_equal_logits(
         for name, p in model.named_parameters():
             if name.endswith("router.weight"):
                 p.mul_(50)
-    ckpt = write_checkpoint(tmp_path / "step-3", model)
-    (ckpt / "titanlite.json").write_text(
-        (ckpt / "titanlite.json").read_text().replace('"qwen3"', f'"{family}"')
-    )
+    ckpt = write_checkpoint(tmp_path / "step-3", model, step=3, model_name=family)
     out = tmp_path / "hf"
     assert convert_to_hf.main([str(ckpt), str(out)]) == 0
     config = json.loads((out / "config.json").read_text())

@@ -530,6 +530,13 @@ def test_pipeline_keys_carry_over_with_torchtitan_defaults() -> None:
     assert p["pipeline_parallel_last_stage_less_layers"] == 1
 
 
+def test_collective_timeouts_carry_over() -> None:
+    """TorchTitan's two timeouts are titanlite's two (start-up and first step; after it)."""
+    comm = converted("[comm]\ninit_timeout_seconds = 300\ntrain_timeout_seconds = 100\n")
+    assert comm.config["comm"] == {"init_timeout_seconds": 300, "timeout_seconds": 100}
+    assert not {"comm.init_timeout_seconds", "comm.train_timeout_seconds"} & dropped_keys(comm)
+
+
 def test_unknown_and_unsupported_keys_are_dropped_with_advice() -> None:
     conv = converted(
         '[training]\ndtype = "bfloat16"\nbogus = 1\n[training.dataloader]\nnum_workers = 4\n'

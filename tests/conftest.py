@@ -75,6 +75,44 @@ def subprocess_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     return env
 
 
+# Every training step after step 3 of a run that started at step 1 (not one resumed, as
+# after a torchrun restart or a SLURM requeue) takes 0.5 s more: Trainer.train_step wrapped as
+# titanlite.trainer is imported (sitecustomize).
+SLOW_STEPS = """
+import importlib.util, sys, time
+class _Wrap:
+    def find_spec(self, name, path=None, target=None):
+        if name != "titanlite.trainer":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+        def exec_module(module):
+            run(module)
+            step, first = module.Trainer.train_step, []
+            def slow(trainer, *args, **kwargs):
+                first[:] = first or [trainer.state.step]  # the first step this process trains
+                out = step(trainer, *args, **kwargs)
+                if first[0] == 1 and trainer.state.step > 3:
+                    time.sleep(0.5)
+                return out
+            module.Trainer.train_step = slow
+        spec.loader.exec_module = exec_module
+        return spec
+sys.meta_path.insert(0, _Wrap())
+"""
+
+
+def slow_steps(folder: Path) -> dict[str, str]:
+    """Environment for a run whose steps after step 3 take 0.5 s more (SLOW_STEPS), so that
+    what a test does once it saw step 3 (a signal, a kill, a second launch) happens mid-run
+    however late this busy machine gets to it: the steps left took about a second."""
+    hook = folder / "slow-steps"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(SLOW_STEPS)
+    return {"PYTHONPATH": str(hook)}
+
+
 def run_train(
     tmp_path: Path, *args: str, ngpu: int = 1, timeout: float = 600, **env: str
 ) -> subprocess.CompletedProcess[str]:

@@ -421,12 +421,21 @@ class WorkerPool:
         """Until each rank's stack dump is in its output (a loaded machine may run the dumping
         process late), or ``within`` seconds; a rank that died has none."""
         deadline = time.monotonic() + within
+        ranks = list(ranks)
         waiting = set(ranks)
         while waiting and time.monotonic() < deadline:
             waiting = {r for r in waiting if "most recent call first" not in
                        self._read_output(r, offsets[r]) and self._processes[r].is_alive()}  # fmt: skip
             time.sleep(0.05)
-        time.sleep(0.1)  # the dump's last lines
+        # The dump's first thread is there; the rest (the main thread's frames come after the
+        # helper threads') is complete once the output stops growing for 0.2 s.
+        sizes = None
+        while time.monotonic() < deadline:
+            now = [self._output_size(r) for r in ranks]
+            if now == sizes:
+                break
+            sizes = now
+            time.sleep(0.2)
 
     def _read_output(self, rank: int, offset: int) -> str:
         try:

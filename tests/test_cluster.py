@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPO, read_metrics, subprocess_env
+from conftest import REPO, read_metrics, slow_steps, subprocess_env
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -202,6 +202,7 @@ def killed_rank_run(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) 
     env = {
         **cluster.env, "NNODES": "2", "NGPU": "1", "RDZV_ENDPOINT": "node1:29400",
         "RDZV_ID": "plain", "MAX_RESTARTS": "1",
+        **slow_steps(folder),  # the kill lands before step-8 is saved, however late
     }  # fmt: skip
     args = (CONFIG, *TINY, *PLAIN_LAYOUT, "--job.dump_folder", str(out))
     procs, logs = {}, {}
@@ -301,7 +302,11 @@ def test_preempted_job_requeues_and_resumes_exactly(
     processes, and the 2 x 2 launch is proven by that test."""
     folder = tmp_path_factory.mktemp("preempt")
     out = folder / "run"
-    job = cluster.submit(folder, *PLAIN_LAYOUT, "--job.dump_folder", str(out), NGPU="1")
+    # The first attempt's steps after step 3 slowed: the signal arrives mid-run, however long
+    # its way through slurmctld, slurmd and the batch script takes.
+    job = cluster.submit(
+        folder, *PLAIN_LAYOUT, "--job.dump_folder", str(out), NGPU="1", **slow_steps(folder)
+    )
 
     def logged(step: int) -> bool:
         return any(r.get("step", 0) >= step and "loss" in r for r in step_records(out))

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import train_scenarios
-from conftest import REPO, subprocess_env
+from conftest import REPO, slow_steps, subprocess_env
 from pool import get_pool
 
 from titanlite import pids, run_lock
@@ -34,7 +34,7 @@ from titanlite.metrics_file import read_metrics
 pytestmark = pytest.mark.slow
 
 CONFIG = str(REPO / "train_configs" / "debug_model.toml")
-STEPS = 16  # a step takes 40 ms or more here: a Ctrl-C after step 3 lands mid-run
+STEPS = 16  # a Ctrl-C after step 3 lands mid-run (with slow_steps, however late it comes)
 SMALL = [
     "--checkpoint.interval", "4", "--metrics.log_freq", "1", "--validation.enable", "false",
     "--training.local_batch_size", "2", "--training.seq_len", "64", "--model.n_layers", "2",
@@ -187,7 +187,7 @@ def test_ctrl_c_mid_run_one_process_saves_exits_130_and_resumes_exactly(tmp_path
     """The direct path (one process, exec'd). While it trains, the same command into the same
     folder exits 2 at once, naming the run; the first run's metrics.jsonl stays its own."""
     out = tmp_path / "run"
-    job = Launch(out, 1)
+    job = Launch(out, 1, **slow_steps(tmp_path))
     job.wait_until("step 3", lambda: len(logged_steps(out)) >= 3)
     # Held still meanwhile (alive, holding its lock), so the second launch meets it running
     # however slowly this machine starts a process: unheld, the first run once finished its
@@ -233,7 +233,7 @@ def test_ctrl_c_mid_run_through_torchrun_stops_every_rank_at_one_step(tmp_path, 
     live = [logs / f"launcher.{node}.{os.getpid()}.pids", logs / f"launcher.other.{gone.pid}.pids"]
     for path in left + live:
         path.write_text("")
-    job = Launch(out, 2, TMPDIR=str(scratch))
+    job = Launch(out, 2, TMPDIR=str(scratch), **slow_steps(tmp_path))
     job.wait_until("step 3", lambda: len(logged_steps(out)) >= 3)
     job.ctrl_c()
     started = time.monotonic()
@@ -263,11 +263,15 @@ def test_sigkill_of_the_whole_job_leaves_no_trainer_and_the_same_command_resumes
     sessions of their own) once step-4 is saved: the trainers die with torchrun, and the same
     command takes over the dead run's lock with a warning and resumes exactly from step-4.
     The launcher's two scratch files, which it had no chance to remove, are in the run's logs
-    folder, not in TMPDIR."""
+    folder, not in TMPDIR. Saves after step-4 are slowed (30 s per shard file): none completes
+    before the kill, however late it comes."""
     out = tmp_path / "run"
     scratch = tmp_path / "tmp"
     scratch.mkdir()
-    job = Launch(out, 2, TMPDIR=str(scratch))
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SLOW_SAVES)
+    job = Launch(out, 2, TMPDIR=str(scratch), PYTHONPATH=str(hook), TEST_FAST_SAVE="step-4.partial")
     job.wait_until("step-4 is saved", (out / "checkpoint" / "step-4").is_dir)
     os.killpg(job.proc.pid, signal.SIGKILL)
     job.wait()
@@ -413,7 +417,14 @@ def test_a_second_ctrl_c_during_the_save_stops_at_once(tmp_path, ngpu):
     before = {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in step4.iterdir()}
     job.ctrl_c()
     job.wait_until("a save after step 4", lambda: any((out / "checkpoint").glob("*.partial")))
-    time.sleep(0.3)
+    # The first Ctrl-C handled (two in a row could arrive as one): one process has re-armed
+    # SIGINT's default; run_train.sh has said it relays it.
+    if ngpu == 1:
+        job.wait_until("SIGINT's default", lambda: not caught(job.proc.pid, signal.SIGINT))
+    else:
+        job.wait_until(
+            "the launcher's relay", lambda: "run_train: Ctrl-C: stopping" in job.output()
+        )
     job.ctrl_c()
     started = time.monotonic()
     status = job.wait()

@@ -45,7 +45,9 @@ def logged_steps(out: Path) -> list[int]:
     return [r["step"] for r in records if "loss" in r]
 
 
-def start_ranks(out: Path, world: int, *args: str) -> tuple[list[subprocess.Popen], list[Path]]:
+def start_ranks(
+    out: Path, world: int, *args: str, **extra_env: str
+) -> tuple[list[subprocess.Popen], list[Path]]:
     """``world`` trainer processes started directly (MASTER_ADDR/PORT, no torchrun: nothing
     else stops the survivors), each writing its output to a file."""
     port = str(free_port())
@@ -54,7 +56,7 @@ def start_ranks(out: Path, world: int, *args: str) -> tuple[list[subprocess.Pope
         logs.append(out.parent / f"rank{rank}.log")
         env = subprocess_env(
             out.parent, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank),
-            WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+            WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), **extra_env,
         )  # fmt: skip
         with open(logs[-1], "w") as log:
             procs.append(subprocess.Popen(
@@ -64,26 +66,65 @@ def start_ranks(out: Path, world: int, *args: str) -> tuple[list[subprocess.Pope
     return procs, logs
 
 
+# Rank 0 holds its write of step-8's shard (3 s) and says so in a file, written whole.
+HOLD_STEP8_WRITE = """
+import io, os, time
+_open = io.open
+def _held_open(file, mode="r", *args, **kwargs):
+    name = str(file)
+    if ("w" in mode and os.environ["RANK"] == "0" and "step-8.partial" in name
+            and name.endswith(".distcp")):
+        held = os.environ["TEST_HELD"]
+        with _open(held + ".tmp", "w") as f:
+            f.write("held")
+        os.replace(held + ".tmp", held)
+        time.sleep(3)
+    return _open(file, mode, *args, **kwargs)
+io.open = _held_open
+"""
+
+
 # A killed rank other than 0 is the easy case (its connections close at once, and the torchrun
 # restart test in test_cluster.py kills one); a frozen one and a lost store are the hard ones.
 @pytest.mark.parametrize(("fault", "victim"), [("SIGSTOP", 1), ("SIGKILL", 0)])
 def test_a_lost_rank_is_named_and_the_others_stop_within_the_timeout(tmp_path, fault, victim):
     """One rank of 2 frozen (SIGSTOP: its connections stay open, like a node gone from the
-    network) or killed, mid-training: the other stops within comm.timeout_seconds plus a few
-    heartbeats, exit 4, with one line naming the lost rank (rank 0 hosts the rendezvous store
-    in a plain launch: its loss is named as the store's); the checkpoint is untouched."""
+    network) while rank 0 writes step-8 (the loss meets rank 0 inside DCP's save: it said
+    "checkpoint step-8 could not be written" and exited 2), or killed mid-training: the other
+    stops within comm.timeout_seconds plus a few heartbeats, exit 4, with one line naming the
+    lost rank (rank 0 hosts the rendezvous store in a plain launch: its loss is named as the
+    store's); the previous checkpoint is untouched."""
     survivor = 1 - victim
     out = tmp_path / "run"
+    held = tmp_path / "held"
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(HOLD_STEP8_WRITE)
+    during_save = fault == "SIGSTOP"
     procs, logs = start_ranks(
         out, 2, "--training.steps", "100000", "--comm.timeout_seconds", str(TIMEOUT_S),
-        "--training.local_batch_size", "2",
+        "--training.local_batch_size", "2", TEST_HELD=str(held),
+        **({"PYTHONPATH": str(hook)} if during_save else {}),
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 300
-        while not (len(logged_steps(out)) >= 6 and (out / "checkpoint" / "step-4").is_dir()):
+
+        def ready() -> bool:
+            if during_save:
+                return held.exists()
+            # Mid-training: right after a step that is not next to a save (every 4 steps), so
+            # that the loss does not meet the survivor inside one.
+            steps = logged_steps(out)
+            return (
+                (out / "checkpoint" / "step-4").is_dir()
+                and len(steps) >= 5
+                and (steps[-1] % 4 == 1)
+            )
+
+        while not ready():
             assert all(p.poll() is None for p in procs), logs[0].read_text()[-3000:]
             assert time.monotonic() < deadline, "no steps logged"
-            time.sleep(0.05)
+            time.sleep(0.02)
         before = sorted(p.name for p in (out / "checkpoint" / "step-4").iterdir())
         os.kill(procs[victim].pid, getattr(signal, fault))
         lost_at = time.monotonic()

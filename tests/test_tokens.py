@@ -334,17 +334,20 @@ def test_sigkilled_run_on_a_token_folder_resumes_exactly(
     sotu_tokens: Path, one_process: dict, tmp_path: Path
 ) -> None:
     """A real trainer process killed with SIGKILL once step-8 is saved; the resumed run (same
-    layout) ends with the uninterrupted run's losses, bit for bit."""
-    from test_checkpoint import Started, steps_since_last_resume
+    layout) ends with the uninterrupted run's losses, bit for bit. The last save (step-12) is
+    held before its completing rename, so however late the kill comes it is not complete."""
+    from test_checkpoint import SLOW_COMMIT, Started, steps_since_last_resume
 
     out = tmp_path / "run"
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SLOW_COMMIT)
     args = (*TRAIN_ARGS, "--training.dataset_path", str(sotu_tokens))
-    victim = Started(out, *args, "--training.local_batch_size", "4")
+    victim = Started(out, *args, "--training.local_batch_size", "4", PYTHONPATH=str(hook),
+                     TEST_SLOW_COMMIT=f"step-{TRAIN_STEPS}.partial")  # fmt: skip
     victim.wait_until("step-8 is saved", lambda: (out / "checkpoint" / "step-8").is_dir())
     victim.proc.send_signal(signal.SIGKILL)
     assert victim.wait() == -signal.SIGKILL
-    # Stopped early: the last save is not complete (step 12 may be logged already: its save
-    # waits for step-8's finishing, which is what made step-8 appear).
     assert not (out / "checkpoint" / f"step-{TRAIN_STEPS}").exists()
     resumed = train_on(sotu_tokens, out, 1, 4)
     assert any(r.get("kind") == "resume" for r in resumed["records"])

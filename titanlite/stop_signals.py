@@ -54,10 +54,12 @@ def install() -> None:
     global _preempt, _interrupted
     if signal.getsignal(signal.SIGTERM) is not _on_preempt:
         _preempt, _interrupted = None, False
-    for sig in PREEMPT_SIGNALS:
-        signal.signal(sig, _on_preempt)
+    # SIGINT first: whoever sees the preemption handlers in place (the tests read SigCgt)
+    # may count on Ctrl-C's being handled too.
     if not (_interrupted and not relayed()):  # else SIGINT's default is armed: keep it so
         signal.signal(signal.SIGINT, _on_interrupt)
+    for sig in PREEMPT_SIGNALS:
+        signal.signal(sig, _on_preempt)
     _set_up_process()
 
 

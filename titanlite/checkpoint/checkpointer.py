@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from titanlite.checkpoint import loading
-from titanlite.checkpoint.dcp_state import failure_cause, split_state
+from titanlite.checkpoint.dcp_state import failure_cause, lost_collective, split_state
 from titanlite.checkpoint.folders import complete_checkpoints, write_sidecar
 from titanlite.checkpoint.integrity import ChecksummingWriter
 from titanlite.checkpoint.lifecycle import StepFolders
@@ -189,10 +189,15 @@ class Checkpointer:
         if finishing is not None:
             finishing.result()
 
-    def _write_failed(self, partial: Path, error: BaseException) -> UserError:
+    def _write_failed(self, partial: Path, error: BaseException) -> BaseException:
         """The one-line error for a save that failed (every rank gets DCP's exception): the
         cause (a full disk said plainly), and that the previous checkpoint is intact. Rank 0
-        removes the partial folder, which is never loaded, to give the space back."""
+        removes the partial folder, which is never loaded, to give the space back. A rank lost
+        during the save is not the checkpoint's failure: its collective's error is returned, for
+        the trainer to name the lost rank (the partial folder stays, replaced by the next save)."""
+        lost = lost_collective(error)
+        if lost is not None:
+            return lost
         done = complete_checkpoints(self.folder)
         needed = sum(f.stat().st_size for f in done[-1][1].iterdir()) if done else 0
         try:

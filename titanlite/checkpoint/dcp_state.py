@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
+from titanlite.heartbeat import is_comm_failure
+
 
 def split_state(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(tensor leaves, every other leaf) of a nested dict, each keeping the nesting."""
@@ -66,6 +68,14 @@ def _is_blob(value: Any) -> bool:
     """A 1-D uint8 tensor: serialized bytes (a rank's own data position, RNG state) whose
     length may differ between the saving and the loading run."""
     return isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1
+
+
+def lost_collective(e: BaseException) -> BaseException | None:
+    """The failed or timed-out collective behind a DCP failure (a rank lost during a save), if
+    that is what it was: the caller re-raises it so that the run stops as for any lost rank
+    (exit 4, naming it) rather than as for a checkpoint that could not be written."""
+    causes = [f[0] for f in e.failures.values()] if isinstance(e, CheckpointException) else [e]
+    return next((c for c in causes if is_comm_failure(c)), None)
 
 
 def failure_cause(e: BaseException) -> str:

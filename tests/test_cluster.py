@@ -317,7 +317,10 @@ def test_preempted_job_requeues_and_resumes_exactly(
     # SLURM holds a requeued job for about two minutes (Reason=BeginTime) before it may
     # start again; release it sooner rather than wait. Not at once: until the old run's
     # processes are gone its job credential is revoked, and a start then fails the job
-    # ("Killing non-startable batch job: Job credential revoked").
+    # ("Killing non-startable batch job: Job credential revoked"): 10 s after the requeue and
+    # once no process of the first attempt (the batch script, srun, launchers, trainers) runs.
+    from test_interrupts import processes_of
+
     requeued_at: list[float] = []
 
     def finished() -> dict[str, str] | None:
@@ -325,7 +328,7 @@ def test_preempted_job_requeues_and_resumes_exactly(
         if state["Restarts"] == "1" and state["Reason"] == "BeginTime":
             if not requeued_at:
                 requeued_at.append(time.monotonic())
-            if time.monotonic() - requeued_at[0] > 10:
+            if time.monotonic() - requeued_at[0] > 10 and not processes_of(out):
                 cluster.run("node1", "scontrol", "update", f"JobId={job}", "StartTime=now")
         return state if state["JobState"] in ENDED else None
 

@@ -216,7 +216,8 @@ def _shape(args) -> dict[str, int]:  # noqa: ANN001
     ("key", "value", "words"),
     [
         ("window_pattern", "LXG", "window_pattern must be a string of L (local) and G"),
-        ("sliding_window", "-1", "sliding_window must be >= 0"),
+        ("sliding_window", "-1", "sliding_window must be between 0 and 2,147,483,647, got -1"),
+        ("sliding_window", str(10**23), "sliding_window must be between 0"),  # was a traceback
         ("attention_kernel", "fast", "model.attention_kernel"),
     ],
 )

@@ -42,6 +42,7 @@ def test_each_step_takes_the_stage_of_the_tokens_trained_before_it() -> None:
         ("512", "'512' is not TOKENS:SEQUENCES"),
         ("512:4,256:8", "tokens must grow"),
         ("512:0", "sequences be at least 1"),
+        ("inf:8", "'inf:8' is not TOKENS:SEQUENCES"),  # was an OverflowError traceback
     ],
 )
 def test_bad_schedules_are_one_line_config_errors(schedule: str, message: str) -> None:

@@ -84,6 +84,15 @@ PUBLISHED = {
 }
 
 
+def test_more_mtp_depths_than_the_sequence_has_tokens_is_refused() -> None:
+    """A depth k predicts the token k + 1 places ahead: at or past the sequence length it has
+    nothing to predict (a million depths built for minutes before)."""
+    assert SPEC.make_args("debugmodel", 4096, 8, {"mtp_layers": 7}).mtp_layers == 7
+    for depths in (8, 10**6):
+        with pytest.raises(ValueError, match=f"mtp_layers {depths} must be below the sequence length 8"):  # fmt: skip
+            SPEC.make_args("debugmodel", 4096, 8, {"mtp_layers": depths})
+
+
 @pytest.mark.parametrize("flavor", list(PUBLISHED))
 def test_published_parameter_counts(flavor: str) -> None:
     vocab, total_b, with_mtp_b = PUBLISHED[flavor]

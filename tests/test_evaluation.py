@@ -62,6 +62,38 @@ def test_a_bad_task_line_is_one_error_naming_file_and_line(tmp_path, line, expec
         read_task(path)
 
 
+def test_a_task_file_that_is_not_text_is_one_error(tmp_path) -> None:
+    path = tmp_path / "binary.jsonl"
+    path.write_bytes(json.dumps(QUESTIONS[0]).encode() + b"\n\xff\xfe\x00garbage\n")
+    with pytest.raises(UserError, match="binary.jsonl is not UTF-8 text"):  # was a traceback
+        read_task(path)
+
+
+def test_bad_eval_settings_are_refused_before_the_run_writes_anything(tmp_path, capsys) -> None:
+    """A bad task file and each bad number, a line each, from the checks every launch runs
+    first; an earlier run's files in the folder are left as they were (they were rewritten
+    before the trainer read the tasks)."""
+    from titanlite import preflight
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "config.toml").write_text("the earlier run's\n")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"context": "a", "choices": [" b", " c"], "label": 5}\n')
+    rc = preflight.main([
+        "--eval.enable", "true", "--eval.tasks", f"sotu_word_order,{bad}",
+        "--eval.limit", "-1", "--eval.freq", "0", "--job.dump_folder", str(folder),
+    ])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == [
+        "titanlite: error: eval.freq: must be at least 1, got 0",
+        "titanlite: error: eval.limit: must be at least 0, got -1",
+        f"titanlite: error: {bad}:1: label 5 is not an index of the 2 choices",
+    ], err
+    assert sorted(p.name for p in folder.iterdir()) == ["config.toml"]
+    assert (folder / "config.toml").read_text() == "the earlier run's\n"
+
+
 def test_a_completion_line_and_a_mixed_file(tmp_path) -> None:
     task = read_task(write_task(tmp_path, COMPLETIONS, "c"))
     assert task.completion and task.questions[0] == Question("The United States", (" of America",), 0, True)  # fmt: skip

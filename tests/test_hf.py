@@ -203,6 +203,17 @@ def test_load_checkpoint_refuses_foreign_pickles(tmp_path: Path) -> None:
     assert not sentinel.exists()
 
 
+def test_a_truncated_shard_is_one_error_line(tmp_path: Path) -> None:
+    """What export, generation and averaging read: a damaged shard is named, no traceback
+    (DCP's CheckpointException is not an Exception)."""
+    write_checkpoint(tmp_path, tiny_model(tiny_args()), step=7)
+    shard = next(tmp_path.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:1000])
+    with pytest.raises(UserError, match="is unreadable: ") as error:
+        load_checkpoint_model(tmp_path)
+    assert len(str(error.value).splitlines()) == 1 and "Traceback" not in str(error.value)
+
+
 def test_load_checkpoint_names_shape_mismatch(tmp_path: Path) -> None:
     write_checkpoint(tmp_path, tiny_model(tiny_args()), step=7)
     sidecar = json.loads((tmp_path / "titanlite.json").read_text())
@@ -342,7 +353,13 @@ def bad_inputs(tmp_path: Path) -> dict[str, Path]:
     no_weights = tmp_path / "no-weights"
     no_weights.mkdir()
     (no_weights / "config.json").write_text(json.dumps(to_hf_config(tiny_args())))
-    return {"partial": partial, "not_llama": not_llama, "no_weights": no_weights}
+    folders = {"partial": partial, "not_llama": not_llama, "no_weights": no_weights}
+    for name, heads in (("typed", "eight"), ("no_heads", 0)):  # tracebacks before
+        folders[name] = tmp_path / name
+        folders[name].mkdir()
+        config = to_hf_config(tiny_args()) | {"num_attention_heads": heads}
+        (folders[name] / "config.json").write_text(json.dumps(config))
+    return folders
 
 
 @pytest.mark.parametrize(
@@ -353,6 +370,8 @@ def bad_inputs(tmp_path: Path) -> dict[str, Path]:
         (convert_from_hf, "missing", "does not exist"),
         (convert_from_hf, "not_llama", "not a model titanlite trains"),
         (convert_from_hf, "no_weights", "has no model.safetensors"),
+        (convert_from_hf, "typed", "holds a value of the wrong type (invalid literal"),
+        (convert_from_hf, "no_heads", "num_attention_heads must be at least 1, got 0"),
     ],
 )
 def test_bad_inputs_are_one_line_errors(

@@ -7,6 +7,7 @@ alike, so a typo or an impossible layout is the same one-line error wherever it 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 from titanlite import converters, models
@@ -145,8 +146,8 @@ def check(cfg: JobConfig, world_size: int) -> Tokenizer | None:
         if degrees and name in converters.REGISTRY:
             for line in converters.get(name).refuses(degrees, cfg):
                 problems.add(f"model.converters: {name}: {line}")
-    if cfg.eval.enable and (cfg.eval.freq < 1 or cfg.eval.batch_size < 1 or cfg.eval.limit < 0):
-        problems.add("eval: freq and batch_size must be at least 1, limit at least 0")
+    if cfg.eval.enable:
+        check_eval(cfg, problems)
     t = cfg.training
     if t.document_positions and not t.document_mask:
         problems.add("training.document_positions needs training.document_mask = true")
@@ -185,6 +186,22 @@ def check(cfg: JobConfig, world_size: int) -> Tokenizer | None:
         )
     problems.raise_if_any(ConfigError)
     return tokenizer
+
+
+def check_eval(cfg: JobConfig, problems: Problems) -> None:
+    """[eval]'s numbers, and every task file read and checked: before the run writes anything
+    into its folder (a bad file once replaced an earlier run's config.toml and run.json)."""
+    from titanlite.downstream import builtin
+    from titanlite.downstream.tasks import read_task
+
+    e = cfg.eval
+    for key, value, least in (("freq", e.freq, 1), ("batch_size", e.batch_size, 1), ("limit", e.limit, 0)):  # fmt: skip
+        if value < least:
+            problems.add(f"eval.{key}: must be at least {least}, got {value}")
+    for name in e.tasks:
+        if name not in builtin.NAMES:
+            with problems.check():
+                read_task(Path(resolve_path(name)))
 
 
 def attention_layers() -> tuple[str, ...]:

@@ -35,7 +35,7 @@ def parse_schedule(entries: list[str], value: str = "SEQUENCES") -> list[tuple[i
         tokens, _, size = entry.partition(":")
         try:
             stage = (int(float(tokens)), int(size))
-        except ValueError:
+        except (ValueError, OverflowError):  # OverflowError: inf
             raise ValueError(f"{entry!r} is not TOKENS:{value} (e.g. 2e6:64)") from None
         if stage[1] < 1 or stage[0] <= (stages[-1][0] if stages else 0):
             raise ValueError(

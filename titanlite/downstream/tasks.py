@@ -74,9 +74,12 @@ def read_task(path: Path) -> Task:
         raise UserError(f"eval.tasks: {str(path)!r} is not a file (nor a built-in task)")
     questions = []
     with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if line.strip():
-                questions.append(_question(line, f"{path}:{number}"))
+        try:
+            for number, line in enumerate(f, 1):
+                if line.strip():
+                    questions.append(_question(line, f"{path}:{number}"))
+        except UnicodeDecodeError:
+            raise UserError(f"eval.tasks: {path} is not UTF-8 text") from None
     if not questions:
         raise UserError(f"eval.tasks: {path} holds no questions")
     if len({q.completion for q in questions}) > 1:

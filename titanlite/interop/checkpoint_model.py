@@ -16,8 +16,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
 from titanlite import models
+from titanlite.checkpoint.dcp_state import failure_cause
 from titanlite.checkpoint.folders import SIDECAR, model_name, read_sidecar, write_sidecar
 from titanlite.checkpoint.safe_reader import SafeFileSystemReader
 from titanlite.data.tokenizer import Tokenizer, load_tokenizer
@@ -122,8 +124,9 @@ def load_checkpoint_model(path: str | os.PathLike[str], ema: bool = False) -> Ch
         try:
             wanted = {key: tensors for key, tensors in state.items() if tensors}
             dcp.load(wanted, storage_reader=SafeFileSystemReader(str(path)))
-        except Exception as e:  # DCP wraps reader failures; the first line says what broke
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        except (Exception, CheckpointException) as e:  # a BaseException: a damaged shard's
+            first = failure_cause(e)  # the first line of what broke
+            first = (first.split("] ", 1)[-1] if first.startswith("[") else first).split(". ")[0]
             raise UserError(f"checkpoint folder {str(path)!r} is unreadable: {first}") from None
     if args.tie_embeddings:
         output, embedding = model.get_parameter(tied_name), model.get_parameter(owner_name)

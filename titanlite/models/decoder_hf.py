@@ -160,11 +160,16 @@ def require_family(config: Mapping[str, Any], model_type: str, architecture: str
 
 
 def read_fields(config: Mapping[str, Any], build: Callable[[], Any]) -> Any:
-    """``build()`` reading config fields; a missing one becomes a UserError naming it."""
+    """``build()`` reading config fields; a missing one, one of the wrong type, or a zero
+    head count (a division in the build) becomes a UserError."""
     try:
         return build()
     except KeyError as e:
         raise UserError(f"config.json has no {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise UserError(f"config.json holds a value of the wrong type ({e})") from None
+    except ZeroDivisionError:
+        raise UserError("config.json: num_attention_heads must be at least 1") from None
 
 
 def rope_theta(config: Mapping[str, Any], default: float) -> float:

@@ -40,8 +40,10 @@ class AttentionVariants:
 
     def check_attention(self) -> None:
         """ValueError naming the field for attention options that cannot be run."""
-        if self.sliding_window < 0:
-            raise ValueError(f"sliding_window must be >= 0, got {self.sliding_window}")
+        if not 0 <= self.sliding_window < 2**31:  # a window is an int32 in the masks
+            raise ValueError(
+                f"sliding_window must be between 0 and {2**31 - 1:,}, got {self.sliding_window}"
+            )
         if not self.window_pattern or set(self.window_pattern) - {"L", "G"}:
             raise ValueError(
                 f"window_pattern must be a string of L (local) and G (global), got "

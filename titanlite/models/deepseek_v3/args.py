@@ -137,6 +137,11 @@ class DeepseekV3Args:
                      "mtp_loss_weight"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.mtp_layers >= self.max_seq_len:  # also keeps an absurd count from being built
+            raise ValueError(
+                f"mtp_layers {self.mtp_layers} must be below the sequence length "
+                f"{self.max_seq_len} (depth k predicts the token k + 1 places ahead)"
+            )
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k {self.top_k} exceeds num_experts {self.num_experts}")
         check_moe_routing(self)

@@ -98,6 +98,8 @@ def from_hf_config(config: Mapping[str, Any]) -> LlamaArgs:
         return args, int(config["intermediate_size"])
 
     args, intermediate = decoder_hf.read_fields(config, build)
+    if args.n_heads < 1:
+        raise UserError(f"config.json: num_attention_heads must be at least 1, got {args.n_heads}")
     head_dim = args.dim // args.n_heads
     supported = {
         "mlp_bias": (bool(config.get("mlp_bias", False)), False),

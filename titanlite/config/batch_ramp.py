@@ -98,11 +98,15 @@ class BatchRamp:
         micro, full = t.local_batch_size * degrees.dp, global_batch_size(cfg, degrees)
         batches = parse_schedule(t.batch_size_schedule)
         for _, sequences in batches:
-            if sequences % micro or sequences > full:
+            if sequences > full:
+                raise ConfigError(
+                    f"training.batch_size_schedule: {sequences} sequences is above the global "
+                    f"batch {full} (the schedule ramps up to it)"
+                )
+            if sequences % micro:
                 raise ConfigError(
                     f"training.batch_size_schedule: {sequences} sequences is not a multiple of "
-                    f"local_batch_size x data-parallel degree = {micro} up to the global batch "
-                    f"{full}"
+                    f"local_batch_size x data-parallel degree = {micro}"
                 )
         lengths = check_seq_len_schedule(cfg, degrees)
         ends: list[tuple[int, int, int]] = []

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 
-from titanlite import run_lock
 from titanlite.errors import EXIT_USER_ERROR, UserError
 from titanlite.interop.checkpoint_model import (
     CheckpointModel,
@@ -32,6 +31,7 @@ from titanlite.interop.checkpoint_model import (
     load_checkpoint_model,
     save_model_checkpoint,
 )
+from titanlite.runtime import run_lock
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

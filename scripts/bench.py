@@ -43,12 +43,12 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 from titanlite.data import load_tokenizer  # noqa: E402
-from titanlite.distributed import env_info, join_group  # noqa: E402
-from titanlite.metrics import measure_matmul_flops  # noqa: E402
-from titanlite.metrics_file import read_metrics  # noqa: E402
+from titanlite.metrics.jsonl import read_metrics  # noqa: E402
+from titanlite.metrics.loggers import measure_matmul_flops  # noqa: E402
 from titanlite.models.layers import count_params  # noqa: E402
 from titanlite.models.llama import SPEC as LLAMA  # noqa: E402
 from titanlite.models.llama.args import LlamaArgs as ModelArgs  # noqa: E402
+from titanlite.runtime.distributed import env_info, join_group  # noqa: E402
 
 TOKENIZER = REPO / "titanlite" / "assets" / "tokenizer.model"
 
@@ -198,9 +198,13 @@ def launch(ranks: int, args: list[str]) -> list[str]:
     if ranks == 1:
         return [sys.executable, *args]
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={ranks}", *args,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={ranks}",
+        *args,
+    ]
 
 
 def run(cmd: list[str], threads: int, timeout: float) -> None:
@@ -222,22 +226,33 @@ def titanlite_run(case: Case, flavor: str, args: argparse.Namespace, tmp: Path) 
     """The per-step records of a real titanlite run (logged every step)."""
     dump = tmp / f"titanlite-{flavor}-{case.name}"
     overrides = [
-        "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
-        "--job.dump_folder", str(dump),
-        "--model.flavor", flavor,
-        "--training.seq_len", str(args.seq_len),
-        "--training.local_batch_size", str(args.batch),
-        "--training.steps", str(args.steps),
-        "--training.mixed_precision_param", case.dtype,
-        "--metrics.log_freq", "1",
-        "--checkpoint.enable", "false",
-        "--validation.enable", "false",
-        "--compile.enable", str(case.compile).lower(),
+        "--job.config_file",
+        str(REPO / "train_configs" / "debug_model.toml"),
+        "--job.dump_folder",
+        str(dump),
+        "--model.flavor",
+        flavor,
+        "--training.seq_len",
+        str(args.seq_len),
+        "--training.local_batch_size",
+        str(args.batch),
+        "--training.steps",
+        str(args.steps),
+        "--training.mixed_precision_param",
+        case.dtype,
+        "--metrics.log_freq",
+        "1",
+        "--checkpoint.enable",
+        "false",
+        "--validation.enable",
+        "false",
+        "--compile.enable",
+        str(case.compile).lower(),
         "--parallelism.data_parallel_replicate_degree",
         str(case.ranks if case.data_parallel == "ddp" else 1),
         "--parallelism.data_parallel_shard_degree",
         str(case.ranks if case.data_parallel == "fsdp" else 1),
-    ]  # fmt: skip
+    ]
     threads = max(1, args.cores // case.ranks)
     run(launch(case.ranks, ["-m", "titanlite.train", *overrides]), threads, args.timeout)
     return [r for r in read_records(dump) if "tps" in r]
@@ -246,10 +261,23 @@ def titanlite_run(case: Case, flavor: str, args: argparse.Namespace, tmp: Path) 
 def reference_times(case: Case, flavor: str, args: argparse.Namespace, tmp: Path) -> list[float]:
     out = tmp / f"reference-{flavor}-{case.name}.json"
     worker = [
-        __file__, "--reference-worker", "--case", case.name, "--flavor", flavor,
-        "--vocab-size", str(args.vocab_size), "--seq-len", str(args.seq_len),
-        "--batch", str(args.batch), "--steps", str(args.steps), "--out", str(out),
-    ]  # fmt: skip
+        __file__,
+        "--reference-worker",
+        "--case",
+        case.name,
+        "--flavor",
+        flavor,
+        "--vocab-size",
+        str(args.vocab_size),
+        "--seq-len",
+        str(args.seq_len),
+        "--batch",
+        str(args.batch),
+        "--steps",
+        str(args.steps),
+        "--out",
+        str(out),
+    ]
     run(launch(case.ranks, worker), max(1, args.cores // case.ranks), args.timeout)
     return json.loads(out.read_text())
 
@@ -270,9 +298,11 @@ def throughput(args: argparse.Namespace, peaks: dict[str, float], tmp: Path) -> 
     print("|---" * (header.count("|") - 1) + "|", flush=True)
     rows = []
     for i, (flavor, name) in enumerate(
-        (f, n) for f in args.flavors for n in args.cases
+        (f, n)
+        for f in args.flavors
+        for n in args.cases
         if not (CASES[n].dtype == "bfloat16" and f not in args.bf16_flavors)
-    ):  # fmt: skip
+    ):
         case = CASES[name]
         bf16 = case.dtype == "bfloat16"
         steps, warm = (args.bf16_steps, args.bf16_warmup) if bf16 else (args.steps, args.warmup)
@@ -294,10 +324,13 @@ def throughput(args: argparse.Namespace, peaks: dict[str, float], tmp: Path) -> 
         a = LLAMA.make_args(flavor, args.vocab_size, args.seq_len, {})
         fpt = LLAMA.flops_per_token(a, args.seq_len)
         baseline = next(
-            (r["reference_tps"] for r in rows
-             if r["flavor"] == flavor and r["name"] == "1p-eager-fp32"),
+            (
+                r["reference_tps"]
+                for r in rows
+                if r["flavor"] == flavor and r["name"] == "1p-eager-fp32"
+            ),
             None,
-        )  # fmt: skip
+        )
         row = {
             "flavor": flavor,
             "params": count_ref_params(a),
@@ -341,8 +374,9 @@ def data_supply(args: argparse.Namespace, rows: list[dict]) -> list[dict]:
         measured = bench_loader(tokenizer, spec, row["ranks"], args.data_seconds, prefetch=True)
         supply = measured["rank_tok_s"]
         demand = row["titanlite_tps"] / row["ranks"]
-        out.append({"flavor": row["flavor"], "ranks": row["ranks"], "supply": supply,
-                    "demand": demand})  # fmt: skip
+        out.append(
+            {"flavor": row["flavor"], "ranks": row["ranks"], "supply": supply, "demand": demand}
+        )
         print(
             f"| {row['flavor']} | {row['ranks']} ({row['data_parallel']}) | {supply:,.0f} | "
             f"{demand:,.0f} | {supply / demand:,.0f}x |",
@@ -359,9 +393,16 @@ def startup(args: argparse.Namespace, tmp: Path) -> list[dict]:
     for i in range(args.startup_runs + 1):
         dump = tmp / f"startup-{i}"
         cmd = [
-            str(REPO / "run_train.sh"), "--training.steps", "1", "--job.dump_folder", str(dump),
-            "--checkpoint.enable", "false", "--validation.enable", "false",
-        ]  # fmt: skip
+            str(REPO / "run_train.sh"),
+            "--training.steps",
+            "1",
+            "--job.dump_folder",
+            str(dump),
+            "--checkpoint.enable",
+            "false",
+            "--validation.enable",
+            "false",
+        ]
         env = dict(os.environ, TITANLITE_LAUNCH_TIME=f"{time.time():.6f}")
         env.pop("OMP_NUM_THREADS", None)
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
@@ -385,14 +426,22 @@ def count_ref_params(a: ModelArgs) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--sections", nargs="+", default=["throughput", "data", "startup"],
-                   choices=["throughput", "data", "startup"])  # fmt: skip
+    p.add_argument(
+        "--sections",
+        nargs="+",
+        default=["throughput", "data", "startup"],
+        choices=["throughput", "data", "startup"],
+    )
     p.add_argument("--flavors", nargs="+", default=["bench", "debugmodel"])
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     p.add_argument("--steps", type=int, default=8, help="steps per run, warmup included")
     p.add_argument("--warmup", type=int, default=3, help="first steps left out (compilation)")
-    p.add_argument("--bf16-flavors", nargs="*", default=["debugmodel"],
-                   help="flavors that run the bf16 cases (bf16 is emulated on most CPUs)")  # fmt: skip
+    p.add_argument(
+        "--bf16-flavors",
+        nargs="*",
+        default=["debugmodel"],
+        help="flavors that run the bf16 cases (bf16 is emulated on most CPUs)",
+    )
     p.add_argument("--bf16-steps", type=int, default=4)
     p.add_argument("--bf16-warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=1, help="runs per side and case, alternating")

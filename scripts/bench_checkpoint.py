@@ -37,13 +37,24 @@ def worker(flavor: str, repeats: int, folder: str) -> dict:
 
     cfg = load_config(
         [
-            "--job.config_file", str(REPO / "train_configs/debug_model.toml"),
-            "--job.dump_folder", folder, "--model.flavor", flavor,
-            "--training.local_batch_size", "2", "--training.seq_len", "128",
-            "--validation.enable", "false", "--checkpoint.async_mode", "async",
-            "--checkpoint.keep_latest_k", "0",
+            "--job.config_file",
+            str(REPO / "train_configs/debug_model.toml"),
+            "--job.dump_folder",
+            folder,
+            "--model.flavor",
+            flavor,
+            "--training.local_batch_size",
+            "2",
+            "--training.seq_len",
+            "128",
+            "--validation.enable",
+            "false",
+            "--checkpoint.async_mode",
+            "async",
+            "--checkpoint.keep_latest_k",
+            "0",
         ]
-    )  # fmt: skip
+    )
     trainer = Trainer(cfg)
     trainer.state.step = 1
     batch = next(trainer.train_iter)

@@ -21,7 +21,7 @@ Per rank it measures, over one training step:
     python scripts/bench_context.py --seq-lens 4096 --cp 1 2 4 --windows 0 128
 
 ``--windows``: a sliding window of that many keys on every layer (0: full attention); a
-windowed layer receives only the keys its windows reach (titanlite/parallel/context.py).
+windowed layer receives only the keys its windows reach (titanlite/parallel/context/attention.py).
 
 With more ranks than cores the ranks also wait for a core: wall time then overstates a step,
 so the table's step-time ratio is per-rank CPU time against cp 1 (what a rank per core or
@@ -133,12 +133,25 @@ def main(argv: list[str] | None = None) -> int:
             base: torch.Tensor | None = None
             for cp in args.cp:
                 layout = [
-                    "--model.n_layers", str(args.layers), "--training.seq_len", str(seq),
-                    "--training.local_batch_size", "1", "--checkpoint.enable", "false",
-                    "--validation.enable", "false", "--metrics.log_freq", "1000",
-                    "--training.steps", "1000", "--parallelism.context_parallel_degree", str(cp),
-                    "--model.sliding_window", str(window),
-                ]  # fmt: skip
+                    "--model.n_layers",
+                    str(args.layers),
+                    "--training.seq_len",
+                    str(seq),
+                    "--training.local_batch_size",
+                    "1",
+                    "--checkpoint.enable",
+                    "false",
+                    "--validation.enable",
+                    "false",
+                    "--metrics.log_freq",
+                    "1000",
+                    "--training.steps",
+                    "1000",
+                    "--parallelism.context_parallel_degree",
+                    str(cp),
+                    "--model.sliding_window",
+                    str(window),
+                ]
                 rows = measure(cp, layout, args.warmup)
                 worst = rows.max(dim=0).values  # the busiest rank of each figure
                 base = worst if base is None else base

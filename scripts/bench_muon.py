@@ -130,8 +130,10 @@ def time_steps(flavor: str, steps: int) -> None:
     if world == 1 or dist.get_rank() == 0:
         n = sum(p.numel() for p in model.parameters())
         for name, (wall, cpu) in results.items():
-            print(f"{flavor} ({n:,} params), {world} rank(s): {name} step "
-                  f"{wall * 1e3:.1f} ms wall, {cpu * 1e3:.1f} ms CPU (busiest rank, median)")  # fmt: skip
+            print(
+                f"{flavor} ({n:,} params), {world} rank(s): {name} step "
+                f"{wall * 1e3:.1f} ms wall, {cpu * 1e3:.1f} ms CPU (busiest rank, median)"
+            )
     if world > 1:
         dist.destroy_process_group()
 
@@ -150,17 +152,21 @@ def main() -> None:
         "| model | layout | ranks | matrices | NS TFLOP per rank | GiB sent / received per rank |"
     )
     print("|---|---|---|---|---|---|")
-    for flavor, layouts in (("8B", [("FSDP", 1)]),
-                            ("70B", [("FSDP", 1), ("FSDP x TP 8", 8)])):  # fmt: skip
+    for flavor, layouts in (("8B", [("FSDP", 1)]), ("70B", [("FSDP", 1), ("FSDP x TP 8", 8)])):
         shapes = hidden_matrices(flavor)
         for layout, tp in layouts:
             for world in (8, 64, 512, 2048):
                 c = per_rank_cost(
-                    shapes, world, steps=a.ns_steps, element=a.bytes_per_element,
+                    shapes,
+                    world,
+                    steps=a.ns_steps,
+                    element=a.bytes_per_element,
                     tp=tp,
-                )  # fmt: skip
-                print(f"| {flavor} | {layout} | {world:,} | {len(shapes)} | {c.flops / 1e12:.2f} "
-                      f"| {c.sent / 2**30:.2f} / {c.received / 2**30:.2f} |")  # fmt: skip
+                )
+                print(
+                    f"| {flavor} | {layout} | {world:,} | {len(shapes)} | {c.flops / 1e12:.2f} "
+                    f"| {c.sent / 2**30:.2f} / {c.received / 2**30:.2f} |"
+                )
 
 
 if __name__ == "__main__":

@@ -31,8 +31,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 SCHEDULES = [
-    "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
-]  # fmt: skip
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+]
 STAGE_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
 
@@ -126,10 +131,21 @@ def measure(world: int, argv: list[str], steps: int) -> torch.Tensor:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     common = [
-        "--model.n_layers", str(args.layers), "--training.seq_len", str(args.seq_len),
-        "--training.local_batch_size", str(args.microbatches), "--checkpoint.enable", "false",
-        "--validation.enable", "false", "--metrics.log_freq", "1000", "--training.steps", "1000",
-    ]  # fmt: skip
+        "--model.n_layers",
+        str(args.layers),
+        "--training.seq_len",
+        str(args.seq_len),
+        "--training.local_batch_size",
+        str(args.microbatches),
+        "--checkpoint.enable",
+        "false",
+        "--validation.enable",
+        "false",
+        "--metrics.log_freq",
+        "1000",
+        "--training.steps",
+        "1000",
+    ]
     print(
         f"# bench_pipeline: {datetime.now(timezone.utc):%Y-%m-%d} {platform.machine()}, "
         f"{os.cpu_count()} cores, torch {torch.__version__}, llama debug width, {args.layers} "
@@ -138,8 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     base = measure(1, common, args.steps)
     base_step = float(base[0, 0])
     print(f"\nno PP (1 process): {base_step * 1e3:.0f} ms per step\n")
-    print(f"| schedule (pp={args.pp}) | bubble measured (mean over ranks) | theoretical | "
-          "step time vs no PP |")  # fmt: skip
+    print(
+        f"| schedule (pp={args.pp}) | bubble measured (mean over ranks) | theoretical | "
+        "step time vs no PP |"
+    )
     print("|---|---:|---:|---:|")
     for schedule in args.schedules:
         pp_args = ["--parallelism.pipeline_parallel_degree", str(args.pp)]

@@ -12,7 +12,7 @@ random tokens (the optimizer step left out: it does not depend on attention). Va
 Per variant: the attention FLOPs per token and the model's (titanlite's formula, which MFU
 uses), and the median over the measured steps of the step's wall and CPU time. Then, per
 context-parallel degree (--cp), the bytes of keys and values the busiest cp rank receives in
-one step's forward for one sequence (``titanlite.parallel.context.kv_bytes_received``, what
+one step's forward for one sequence (``titanlite.parallel.context.attention.kv_bytes_received``, what
 the exchange plans send; the backward sends as many back): windowed layers receive only the
 keys their windows reach, full ones gather the sequence.
 
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from titanlite.models import get
 from titanlite.models.decoder_spec import attention_flops_per_token
 from titanlite.models.init import init_parameters
-from titanlite.parallel.context import kv_bytes_received
+from titanlite.parallel.context.attention import kv_bytes_received
 
 VARIANTS = {"window, LG": ("LG", True), "window, L": ("L", True), "full": ("L", False)}
 
@@ -56,11 +56,15 @@ def cp_bytes(args: argparse.Namespace, pattern: str, windowed: bool, cp: int) ->
     a = get("gpt_oss").make_args("debugmodel", args.vocab, args.seq_len, overrides)
     return sum(
         kv_bytes_received(
-            seq_len=args.seq_len, cp=cp, window=a.layer_window(layer), batch=1,
-            kv_channels=a.n_kv_heads * a.head_dim, element_size=4,
+            seq_len=args.seq_len,
+            cp=cp,
+            window=a.layer_window(layer),
+            batch=1,
+            kv_channels=a.n_kv_heads * a.head_dim,
+            element_size=4,
         )
         for layer in range(a.n_layers)
-    )  # fmt: skip
+    )
 
 
 def print_cp_bytes(args: argparse.Namespace) -> None:

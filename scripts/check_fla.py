@@ -72,8 +72,10 @@ def main(argv: list[str] | None = None) -> int:
         for with_state in (False, True):
             diff = compare(op, resets=resets, with_state=with_state, device=device)
             worst = max(worst, diff)
-            print(f"  resets={resets!s:<5} initial_state={with_state!s:<5} "
-                  f"max relative difference (outputs, states, gradients) {diff:.2e}")  # fmt: skip
+            print(
+                f"  resets={resets!s:<5} initial_state={with_state!s:<5} "
+                f"max relative difference (outputs, states, gradients) {diff:.2e}"
+            )
     return 0 if worst <= args.tolerance else 1
 
 

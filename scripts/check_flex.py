@@ -69,9 +69,11 @@ def main(argv: list[str] | None = None) -> int:
             for documents in (False, True):
                 diff = compare(dtype=dtype, chunks=chunks, documents=documents, device=device)
                 worst = max(worst, diff / tolerance)
-                print(f"  {str(dtype).removeprefix('torch.'):<8} chunks={len(chunks)} "
-                      f"documents={documents!s:<5} max relative difference (outputs, "
-                      f"gradients incl. sinks) {diff:.2e}")  # fmt: skip
+                print(
+                    f"  {str(dtype).removeprefix('torch.'):<8} chunks={len(chunks)} "
+                    f"documents={documents!s:<5} max relative difference (outputs, "
+                    f"gradients incl. sinks) {diff:.2e}"
+                )
     return 0 if worst <= 1 else 1
 
 

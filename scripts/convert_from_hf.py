@@ -22,11 +22,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from titanlite import run_lock
 from titanlite.data.tokenizer import HF_TOKENIZER_FILE, SENTENCEPIECE_FILE, load_tokenizer
 from titanlite.errors import EXIT_USER_ERROR, UserError
 from titanlite.interop.checkpoint_model import save_model_checkpoint
 from titanlite.interop.hf import load_hf
+from titanlite.runtime import run_lock
 
 TOKENIZER_FILES = (HF_TOKENIZER_FILE, SENTENCEPIECE_FILE)
 

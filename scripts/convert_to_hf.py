@@ -19,11 +19,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from titanlite import run_lock
 from titanlite.dtypes import DTYPES
 from titanlite.errors import EXIT_USER_ERROR, UserError
 from titanlite.interop.export import export_checkpoint
 from titanlite.interop.hf import parse_size
+from titanlite.runtime import run_lock
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

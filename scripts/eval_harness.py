@@ -24,13 +24,13 @@ from pathlib import Path
 
 import torch
 
-from titanlite import run_lock
 from titanlite.checkpoint.folders import read_sidecar
 from titanlite.downstream import harness
 from titanlite.dtypes import DTYPES
 from titanlite.errors import EXIT_USER_ERROR, UserError
 from titanlite.files import atomic_write
 from titanlite.interop.export import export_checkpoint
+from titanlite.runtime import run_lock
 
 
 def positive_int(text: str, least: int = 1) -> int:
@@ -77,15 +77,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--ema", action="store_true", help="score the average of the weights (training.ema_decay)"
     )
     parser.add_argument(
-        "--tokenizer", type=Path, help="sentencepiece model or tokenizer.json (default: the checkpoint's)"
-    )  # fmt: skip
+        "--tokenizer",
+        type=Path,
+        help="sentencepiece model or tokenizer.json (default: the checkpoint's)",
+    )
     parser.add_argument("--output", type=Path, help="write lm-eval's results here (JSON)")
     parser.add_argument(
         "--log-samples", action="store_true", help="with --output: every scored example too"
     )
     parser.add_argument(
-        "--keep-hf", type=Path, metavar="DIR", help="export into DIR and keep it (new, empty or an export)"
-    )  # fmt: skip
+        "--keep-hf",
+        type=Path,
+        metavar="DIR",
+        help="export into DIR and keep it (new, empty or an export)",
+    )
     args = parser.parse_args(argv)
     if args.log_samples and args.output is None:
         parser.error("--log-samples writes the samples into --output FILE: give one")
@@ -131,14 +136,23 @@ def run(args: argparse.Namespace) -> dict:
         folder = args.keep_hf or Path(tmp) / "hf"
         with run_lock.hold(folder, "scripts/eval_harness.py"):
             exported = export_checkpoint(
-                args.checkpoint, folder, dtype=DTYPES[args.dtype], ema=args.ema,
+                args.checkpoint,
+                folder,
+                dtype=DTYPES[args.dtype],
+                ema=args.ema,
                 tokenizer=args.tokenizer,
-            )  # fmt: skip
+            )
         results = harness.evaluate(
-            folder, tasks, manager, device=device, dtype=args.dtype,
-            batch_size=args.batch_size, limit=args.limit, num_fewshot=args.num_fewshot,
+            folder,
+            tasks,
+            manager,
+            device=device,
+            dtype=args.dtype,
+            batch_size=args.batch_size,
+            limit=args.limit,
+            num_fewshot=args.num_fewshot,
             log_samples=args.log_samples,
-        )  # fmt: skip
+        )
     results["titanlite"] = {
         "checkpoint": str(args.checkpoint.resolve()),
         "step": exported.step,
@@ -162,7 +176,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         atomic_write(args.output, json.dumps(results, indent=2, default=harness.json_value) + "\n")
     results.pop("samples", None)
     info = results["titanlite"]
-    print(f"{args.checkpoint} (step {info['step']}, {info['weights']} weights, {args.dtype} on {info['device']})")  # fmt: skip
+    print(
+        f"{args.checkpoint} (step {info['step']}, {info['weights']} weights, {args.dtype} on {info['device']})"
+    )
     print(harness.results_tables(results))
     if args.output is not None:
         print(f"wrote {args.output}")

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from titanlite.errors import EXIT_USER_ERROR, UserError
-from titanlite.generate import generate
 from titanlite.interop.checkpoint_model import checkpoint_tokenizer, load_checkpoint_model
+from titanlite.models.generate import generate
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from titanlite.compare import relative_difference
-from titanlite.metrics_file import MetricsFileError, find_metrics_file, read_metrics
+from titanlite.metrics.compare import relative_difference
+from titanlite.metrics.jsonl import MetricsFileError, find_metrics_file, read_metrics
 
 EXIT_OK, EXIT_DIFFERENT, EXIT_BAD_INPUT = 0, 1, 2
 DEFAULT_RTOL = 1e-4
@@ -62,7 +62,7 @@ class Comparison:
 def load_run(run: str | Path) -> Run:
     """Training records (not validation ones) of a run, keyed by step: of a step logged twice
     (a run resumed from an earlier checkpoint) the last record, and none of the steps a
-    resume abandoned (titanlite.metrics_file). A malformed line is an error: a comparison
+    resume abandoned (titanlite.metrics.jsonl). A malformed line is an error: a comparison
     must not quietly skip a step."""
     try:
         found = read_metrics(find_metrics_file(run))

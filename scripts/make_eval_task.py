@@ -67,8 +67,11 @@ def _mmlu(row: dict[str, Any]) -> dict[str, Any]:
 
 
 FORMATS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-    "hellaswag": _hellaswag, "arc": _arc, "piqa": _piqa, "mmlu": _mmlu,
-}  # fmt: skip
+    "hellaswag": _hellaswag,
+    "arc": _arc,
+    "piqa": _piqa,
+    "mmlu": _mmlu,
+}
 
 
 def read_rows(source: str, split: str, name: str | None) -> Iterable[dict[str, Any]]:
@@ -88,7 +91,9 @@ def read_rows(source: str, split: str, name: str | None) -> Iterable[dict[str, A
     try:
         return datasets.load_dataset(source, name, split=split)
     except Exception as e:  # noqa: BLE001 (the Hub's many failure types: one line)
-        raise UserError(f"{source}: could not load split {split!r} from the Hub ({' '.join(str(e).split())[:200]})") from None  # fmt: skip
+        raise UserError(
+            f"{source}: could not load split {split!r} from the Hub ({' '.join(str(e).split())[:200]})"
+        ) from None
 
 
 def _read_file(path: Path) -> Iterable[dict[str, Any]]:
@@ -120,7 +125,9 @@ def convert(fmt: str, rows: Iterable[dict[str, Any]], limit: int = 0) -> list[di
         try:
             line = FORMATS[fmt](row)
         except KeyError as e:
-            raise UserError(f"row {i + 1}: no field {e.args[0]!r}, which the {fmt} format needs") from None  # fmt: skip
+            raise UserError(
+                f"row {i + 1}: no field {e.args[0]!r}, which the {fmt} format needs"
+            ) from None
         except (ValueError, TypeError) as e:
             raise UserError(f"row {i + 1}: not a {fmt} row ({e})") from None
         if not 0 <= line["label"] < len(line["choices"]):

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from titanlite.files import atomic_path
-from titanlite.metrics_file import MetricsFileError, find_metrics_file, read_metrics
+from titanlite.metrics.jsonl import MetricsFileError, find_metrics_file, read_metrics
 
 EXIT_OK, EXIT_BAD_INPUT = 0, 2
 TRAIN_KEYS = ("loss", "tps", "mfu_pct", "lr")

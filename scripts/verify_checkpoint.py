@@ -17,11 +17,11 @@ import sys
 import time
 from pathlib import Path
 
-from titanlite import run_lock
 from titanlite.checkpoint import integrity
 from titanlite.checkpoint.folders import SIDECAR, complete_checkpoints, read_sidecar
 from titanlite.checkpoint.safe_reader import SafeFileSystemReader
 from titanlite.errors import EXIT_USER_ERROR, UserError
+from titanlite.runtime import run_lock
 
 
 def check(folder: Path) -> list[str]:

@@ -33,17 +33,41 @@ PINNED_ENV = {
 UNSET_ENV = (
     # A launcher's world (a shell inside torchrun or a SLURM job) is not the tests' world, and
     # run_train.sh's settings are the ones each test passes.
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID", "NGPU", "NNODES", "RDZV_ENDPOINT", "RDZV_ID", "MAX_RESTARTS",
-    "LOG_RANK", "CONFIG_FILE", "TITANLITE_TORCHRUN",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "NGPU",
+    "NNODES",
+    "RDZV_ENDPOINT",
+    "RDZV_ID",
+    "MAX_RESTARTS",
+    "LOG_RANK",
+    "CONFIG_FILE",
+    "TITANLITE_TORCHRUN",
     # Cache locations that would override HF_HOME's, and W&B credentials and folders.
-    "HF_DATASETS_CACHE", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_CACHE",
-    "WANDB_API_KEY", "WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR",
+    "HF_DATASETS_CACHE",
+    "HF_HUB_CACHE",
+    "HUGGINGFACE_HUB_CACHE",
+    "TRANSFORMERS_CACHE",
+    "WANDB_API_KEY",
+    "WANDB_DIR",
+    "WANDB_CACHE_DIR",
+    "WANDB_CONFIG_DIR",
+    "WANDB_DATA_DIR",
     # titanlite's launcher and debugging variables.
-    "TITANLITE_ERROR_FILE", "TITANLITE_LAUNCH_TIME", "TITANLITE_CUDA_SYNC_CHECK",
-    "TITANLITE_INTERRUPT_PIDS", "TITANLITE_LAUNCHER_PID", "TITANLITE_REQUEUE",
-    "TITANLITE_RESIGNAL_S", "TITANLITE_SRUN_WAIT",
-)  # fmt: skip
+    "TITANLITE_ERROR_FILE",
+    "TITANLITE_LAUNCH_TIME",
+    "TITANLITE_CUDA_SYNC_CHECK",
+    "TITANLITE_INTERRUPT_PIDS",
+    "TITANLITE_LAUNCHER_PID",
+    "TITANLITE_REQUEUE",
+    "TITANLITE_RESIGNAL_S",
+    "TITANLITE_SRUN_WAIT",
+)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -189,10 +213,17 @@ def eight_rank_pool_stops_with_the_module() -> Iterator[None]:
 # so the other worker's pool files use the cores meanwhile; it takes no second file until
 # two of its four tests are left.
 LONGEST_FIRST = (
-    "test_cluster.py", "test_pipeline.py", "test_train_e2e.py", "test_parity.py",
-    "test_checkpoint.py", "test_reliability.py", "test_resume_layouts.py", "test_moe.py",
-    "test_observability.py", "test_tokens.py",
-)  # fmt: skip
+    "test_cluster.py",
+    "test_pipeline.py",
+    "test_train_e2e.py",
+    "test_parity.py",
+    "test_checkpoint.py",
+    "test_reliability.py",
+    "test_resume_layouts.py",
+    "test_moe.py",
+    "test_observability.py",
+    "test_tokens.py",
+)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from titanlite.models.attention import CausalAttention
-from titanlite.parallel.context import ContextParallel
+from titanlite.parallel.context.attention import ContextParallel
 
 
 def attention_matches_full(
@@ -64,14 +64,25 @@ def hybrid_matches_full(rank: int, world: int, seq: int, documents: bool) -> dic
     from titanlite.models.init import init_parameters
     from titanlite.models.qwen3_5.args import Qwen35Args
     from titanlite.models.qwen3_5.model import HybridDecoder
-    from titanlite.parallel.context import apply_cp
-    from titanlite.parallel.linear_context import apply_linear_cp
+    from titanlite.parallel.context.attention import apply_cp
+    from titanlite.parallel.context.recurrent import apply_linear_cp
 
     args = Qwen35Args(
-        dim=32, n_layers=4, n_heads=2, n_kv_heads=1, head_dim=16, hidden_dim=48,
-        linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=6, chunk_size=4,
-        vocab_size=64, max_seq_len=seq, rope_theta=10_000.0,
-    )  # fmt: skip
+        dim=32,
+        n_layers=4,
+        n_heads=2,
+        n_kv_heads=1,
+        head_dim=16,
+        hidden_dim=48,
+        linear_k_heads=2,
+        linear_v_heads=4,
+        linear_k_dim=8,
+        linear_v_dim=6,
+        chunk_size=4,
+        vocab_size=64,
+        max_seq_len=seq,
+        rope_theta=10_000.0,
+    )
     model = HybridDecoder(args)
     init_parameters(model, lambda name: get("qwen3_5").init_rule(args, name), 0)
     model.double()
@@ -129,8 +140,10 @@ def window_matches_full(
     for window, documents, sinks in cases:
         torch.manual_seed(window)  # the same full tensors on every rank
         batch, heads, kv_heads, head_dim = 2, 4, 2, 8
-        q, k, v = (torch.randn(batch, h, seq, head_dim, dtype=torch.float64, requires_grad=True)
-                   for h in (heads, kv_heads, kv_heads))  # fmt: skip
+        q, k, v = (
+            torch.randn(batch, h, seq, head_dim, dtype=torch.float64, requires_grad=True)
+            for h in (heads, kv_heads, kv_heads)
+        )
         upstream = torch.randn(batch, heads, seq, head_dim, dtype=torch.float64)
         ids = None
         if documents:  # a boundary inside a chunk, one on a chunk's edge, one near the end

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
-from titanlite.parallel.ddp import BucketedDDP
+from titanlite.parallel.ddp.engine import BucketedDDP
 
 ATOL, RTOL = 1e-6, 1e-5
 TINY_MB = 0.0002  # ~200-byte buckets: most tensors of the tiny models below get their own
@@ -202,9 +202,14 @@ def make_optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
 
 
 def mse_grads_match(
-    ours: nn.Module, reference: nn.Module, theirs_module: nn.Module, theirs: nn.Module,
-    rank: int, world: int, label: str,
-) -> None:  # fmt: skip
+    ours: nn.Module,
+    reference: nn.Module,
+    theirs_module: nn.Module,
+    theirs: nn.Module,
+    rank: int,
+    world: int,
+    label: str,
+) -> None:
     """Three iterations of an MSE step on the global batch: titanlite's gradients equal the
     single-process reference's and torch DDP's."""
     for it in range(3):

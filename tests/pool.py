@@ -33,7 +33,7 @@ result back, then the pool restarts.
 Each worker's environment is the one tests give titanlite (``conftest.subprocess_env``: offline
 Hugging Face and W&B, ``TITANLITE_CACHE_DIR`` the test cache) plus ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and ``MASTER_ADDR``/``MASTER_PORT`` (the TCPStore the
-default group was built on, hosted by the pytest process), so ``titanlite.distributed.init``
+default group was built on, hosted by the pytest process), so ``titanlite.runtime.distributed.init``
 sees an initialized world. ``sys.path`` is pytest's, so ``tests/`` modules and titanlite import.
 
 Using it from a test
@@ -113,9 +113,14 @@ from conftest import subprocess_env
 # pool. The one thread they start (pyarrow's jemalloc background purger) is not carried into a
 # fork: a worker's allocator then purges inline, as with that thread disabled.
 PRELOAD = [
-    "pool_worker", "torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
-    "datasets", "datasets.packaged_modules.text.text",
-]  # fmt: skip
+    "pool_worker",
+    "torch",
+    "torch.distributed",
+    "torch.distributed.tensor",
+    "torch._dynamo",
+    "datasets",
+    "datasets.packaged_modules.text.text",
+]
 DIR_PREFIX = "titanlite-pool-"  # + the pytest pid: one folder of rank outputs per started pool
 OUTPUT_CHARS = 20_000  # per rank, in a failure message
 LOG_LINES = 40  # last log lines per rank in a failure message
@@ -424,8 +429,12 @@ class WorkerPool:
         ranks = list(ranks)
         waiting = set(ranks)
         while waiting and time.monotonic() < deadline:
-            waiting = {r for r in waiting if "most recent call first" not in
-                       self._read_output(r, offsets[r]) and self._processes[r].is_alive()}  # fmt: skip
+            waiting = {
+                r
+                for r in waiting
+                if "most recent call first" not in self._read_output(r, offsets[r])
+                and self._processes[r].is_alive()
+            }
             time.sleep(0.05)
         # The dump's first thread is there; the rest (the main thread's frames come after the
         # helper threads') is complete once the output stops growing for 0.2 s.

@@ -235,8 +235,11 @@ def serve(
             _destroy_subgroups()
         except Exception:  # noqa: BLE001 - reported as this call's failure
             if reply[0] == "ok":
-                reply = ("error", call_id, "destroying the scenario's groups failed:\n"
-                         + traceback.format_exc())  # fmt: skip
+                reply = (
+                    "error",
+                    call_id,
+                    "destroying the scenario's groups failed:\n" + traceback.format_exc(),
+                )
         logs = capture.close()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -23,10 +23,19 @@ DEBUG_CONFIG = str(Path(__file__).resolve().parent.parent / "train_configs" / "d
 
 
 def tiny(n_layers: int = 1, **changes: object) -> Decoder:
-    args = LLAMA.make_args("debugmodel", 61, 48, {
-        "dim": 32, "n_layers": n_layers, "n_heads": 4, "n_kv_heads": 2, "multiple_of": 16,
-        **changes,
-    })  # fmt: skip
+    args = LLAMA.make_args(
+        "debugmodel",
+        61,
+        48,
+        {
+            "dim": 32,
+            "n_layers": n_layers,
+            "n_heads": 4,
+            "n_kv_heads": 2,
+            "multiple_of": 16,
+            **changes,
+        },
+    )
     model = Decoder(args)
     init_parameters(model, lambda name: LLAMA.init_rule(args, name), seed=3)
     return model.double()
@@ -89,8 +98,9 @@ def test_window_sinks_and_documents_compose_as_the_dense_reference() -> None:
     torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
     # A context-parallel rank's two chunks (early, late) against the same rows.
     rows = torch.cat([q[:, :, 0:10], q[:, :, 30:40]], 2)
-    got = banded_attention(rows, k, v, [(0, 10), (30, 10)], window=6, sinks=sinks,
-                           documents=documents)  # fmt: skip
+    got = banded_attention(
+        rows, k, v, [(0, 10), (30, 10)], window=6, sinks=sinks, documents=documents
+    )
     torch.testing.assert_close(got, torch.cat([want[:, :, :10], want[:, :, 30:]], 2))
 
 
@@ -126,12 +136,18 @@ def test_flex_path_equals_the_explicit_kernel() -> None:
     for rows, keys, values, chunks, docs, sink in cases:
         leaves = [t.clone().requires_grad_() for t in (rows, keys, values)]
         leaves += [sink.clone().requires_grad_()] if sink is not None else []
-        weights = torch.randn(rows.shape, generator=torch.Generator().manual_seed(4),
-                              dtype=torch.float64)  # fmt: skip
+        weights = torch.randn(
+            rows.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64
+        )
         results = []
         for attend in (banded_attention, flex.flex_masked_attention):
-            out = attend(*leaves[:3], chunks, window=6, sinks=leaves[3] if sink is not None
-                         else None, documents=docs)  # fmt: skip
+            out = attend(
+                *leaves[:3],
+                chunks,
+                window=6,
+                sinks=leaves[3] if sink is not None else None,
+                documents=docs,
+            )
             results.append([out, *torch.autograd.grad((out * weights).sum(), leaves)])
         for got, want in zip(*results, strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
@@ -153,8 +169,13 @@ def test_attention_kernel_picks_flex_on_cuda_and_logs_it(
         caplog.clear()
         flex._masks.clear()
         with caplog.at_level("INFO", logger="titanlite.models.attention"):
-            model = tiny(2, sliding_window=8, window_pattern="LG", attention_sinks=True,
-                         attention_kernel=kernel)  # fmt: skip
+            model = tiny(
+                2,
+                sliding_window=8,
+                window_pattern="LG",
+                attention_sinks=True,
+                attention_kernel=kernel,
+            )
         logits[kernel] = model(tokens)
         line = next(r.getMessage() for r in caplog.records if "attention: 2 of 2" in r.getMessage())
         if kernel == "auto":  # this CPU machine: the explicit kernel, and why
@@ -199,17 +220,22 @@ def test_flops_count_the_window_band() -> None:
     full = LLAMA.flops_per_token(args, seq)
     covering = LLAMA.make_args("debugmodel", 61, 48, {**_shape(args), "sliding_window": 48})
     assert LLAMA.flops_per_token(covering, seq) == full
-    local = LLAMA.make_args("debugmodel", 61, 48, {
-        **_shape(args), "sliding_window": 8, "window_pattern": "LLLG"
-    })  # fmt: skip
+    local = LLAMA.make_args(
+        "debugmodel", 61, 48, {**_shape(args), "sliding_window": 8, "window_pattern": "LLLG"}
+    )
     band = 8 - 8 * 8 / (2 * seq)  # keys per query in a local layer
     saved = 3 * 12 * width * (seq / 2 - band)
     assert LLAMA.flops_per_token(local, seq) == round(full - saved)
 
 
 def _shape(args) -> dict[str, int]:  # noqa: ANN001
-    return {"dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads,
-            "n_kv_heads": args.n_kv_heads, "multiple_of": args.multiple_of}  # fmt: skip
+    return {
+        "dim": args.dim,
+        "n_layers": args.n_layers,
+        "n_heads": args.n_heads,
+        "n_kv_heads": args.n_kv_heads,
+        "multiple_of": args.multiple_of,
+    }
 
 
 @pytest.mark.parametrize(
@@ -222,9 +248,12 @@ def _shape(args) -> dict[str, int]:  # noqa: ANN001
     ],
 )
 def test_bad_attention_options_are_one_line_errors(
-    key: str, value: str, words: str, monkeypatch: pytest.MonkeyPatch,
+    key: str,
+    value: str,
+    words: str,
+    monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
-) -> None:  # fmt: skip
+) -> None:
     monkeypatch.setenv("WORLD_SIZE", "1")
     rc = preflight.main(["--job.config_file", DEBUG_CONFIG, f"--model.{key}", value])
     err = capsys.readouterr().err

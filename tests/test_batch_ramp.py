@@ -18,11 +18,18 @@ SEQUENCES = [4, 4, 8, 8, 16, 16]
 
 
 def ramp(world: int, local_batch: int, schedule: str = SCHEDULE) -> BatchRamp:
-    cfg = load_config([
-        "--training.seq_len", "64", "--training.global_batch_size", "16",
-        "--training.local_batch_size", str(local_batch),
-        "--training.batch_size_schedule", schedule,
-    ])  # fmt: skip
+    cfg = load_config(
+        [
+            "--training.seq_len",
+            "64",
+            "--training.global_batch_size",
+            "16",
+            "--training.local_batch_size",
+            str(local_batch),
+            "--training.batch_size_schedule",
+            schedule,
+        ]
+    )
     return BatchRamp.of(cfg, resolve_degrees(cfg, world))
 
 
@@ -62,12 +69,33 @@ def test_a_stage_the_micro_batches_cannot_make_is_a_config_error() -> None:
 # --- training (worker pool) ----------------------------------------------------------------------
 
 ARGS = (
-    "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4",
-    "--model.n_kv_heads", "4", "--model.multiple_of", "32", "--training.seq_len", "64",
-    "--training.steps", "6", "--metrics.log_freq", "1", "--validation.enable", "false",
-    "--training.global_batch_size", "16", "--training.batch_size_schedule", SCHEDULE,
-    "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0",
-)  # fmt: skip
+    "--model.dim",
+    "64",
+    "--model.n_layers",
+    "2",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "4",
+    "--model.multiple_of",
+    "32",
+    "--training.seq_len",
+    "64",
+    "--training.steps",
+    "6",
+    "--metrics.log_freq",
+    "1",
+    "--validation.enable",
+    "false",
+    "--training.global_batch_size",
+    "16",
+    "--training.batch_size_schedule",
+    SCHEDULE,
+    "--checkpoint.interval",
+    "3",
+    "--checkpoint.keep_latest_k",
+    "0",
+)
 
 
 def train(world: int, out: Path, *args: str) -> list[dict]:
@@ -82,7 +110,7 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[in
 
 @pytest.mark.slow
 def test_the_ramp_trains_the_same_global_batches_on_1_and_4_ranks(one_process, tmp_path) -> None:
-    from titanlite.compare import relative_difference
+    from titanlite.metrics.compare import relative_difference
 
     _, one = one_process
     tokens = [r["tokens_seen"] for r in one.values()]

@@ -28,13 +28,13 @@ import train_scenarios
 from conftest import REPO, subprocess_env
 from pool import get_pool
 
-from titanlite import stop_vote
 from titanlite.checkpoint import integrity
 from titanlite.checkpoint.checkpointer import Checkpointer, ModelIdentity
 from titanlite.checkpoint.folders import complete_checkpoints, read_sidecar
 from titanlite.config.job_config import Checkpoint as CheckpointConfig
 from titanlite.errors import EXIT_PREEMPTED, Interrupted, Preempted, UserError
-from titanlite.metrics_file import read_metrics
+from titanlite.metrics.jsonl import read_metrics
+from titanlite.runtime import stop_vote
 
 pytestmark = pytest.mark.slow
 
@@ -42,10 +42,21 @@ CONFIG = str(REPO / "train_configs" / "debug_model.toml")
 STEPS = 12
 # Global batch 4 x 64 tokens, 2 layers: a few seconds per step on a busy 2-core machine.
 SMALL = [
-    "--training.steps", str(STEPS), "--checkpoint.interval", "4", "--metrics.log_freq", "1",
-    "--validation.enable", "false", "--training.local_batch_size", "4",
-    "--training.seq_len", "64", "--model.n_layers", "2",
-]  # fmt: skip
+    "--training.steps",
+    str(STEPS),
+    "--checkpoint.interval",
+    "4",
+    "--metrics.log_freq",
+    "1",
+    "--validation.enable",
+    "false",
+    "--training.local_batch_size",
+    "4",
+    "--training.seq_len",
+    "64",
+    "--model.n_layers",
+    "2",
+]
 TIMEOUT = 600
 
 
@@ -53,9 +64,16 @@ TIMEOUT = 600
 def trainer_cmd(out: Path, *args: str) -> list[str]:
     """One trainer process without torchrun (later arguments override earlier ones)."""
     return [
-        sys.executable, "-m", "titanlite.train", "--job.config_file", CONFIG, *SMALL,
-        "--job.dump_folder", str(out), *args,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "titanlite.train",
+        "--job.config_file",
+        CONFIG,
+        *SMALL,
+        "--job.dump_folder",
+        str(out),
+        *args,
+    ]
 
 
 def run(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -131,7 +149,7 @@ def records(out: Path) -> list[dict]:
 
 def last_losses(out: Path) -> dict[int, float]:
     """Loss of each step as the run that continued logged it: the LAST record of the step
-    (titanlite.metrics_file; a line being written is skipped as malformed)."""
+    (titanlite.metrics.jsonl; a line being written is skipped as malformed)."""
     path = out / "metrics.jsonl"
     if not path.exists():
         return {}
@@ -293,8 +311,13 @@ def test_kill_during_the_dcp_write_leaves_the_previous_checkpoint_untouched(
     (hook / "sitecustomize.py").write_text(STALL_SHARD)
     stalled = tmp_path / "stalled"
     eight = ("--training.steps", "8")
-    victim = Started(out, *eight, PYTHONPATH=str(hook), TEST_STALL_SHARD="step-8.partial",
-                     TEST_STALLED=str(stalled))  # fmt: skip
+    victim = Started(
+        out,
+        *eight,
+        PYTHONPATH=str(hook),
+        TEST_STALL_SHARD="step-8.partial",
+        TEST_STALLED=str(stalled),
+    )
     victim.wait_until("step-8's shard is half-written", stalled.exists)
     step4, partial = out / "checkpoint" / "step-4", out / "checkpoint" / "step-8.partial"
     before = snapshot(step4)
@@ -341,8 +364,13 @@ def test_sigusr1_during_an_async_save_loses_nothing(
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(SLOW_WRITES)
     partial = out / "checkpoint" / "step-4.partial"
-    job = Started(out, "--checkpoint.async_mode", "async", PYTHONPATH=str(hook),
-                  TEST_SLOW_WRITES="step-4.partial")  # fmt: skip
+    job = Started(
+        out,
+        "--checkpoint.async_mode",
+        "async",
+        PYTHONPATH=str(hook),
+        TEST_SLOW_WRITES="step-4.partial",
+    )
     job.wait_until("step-4 is being written", partial.is_dir)
     job.proc.send_signal(signal.SIGUSR1)  # while its writer waits 2 s to open the shard
     assert not (out / "checkpoint" / "step-4").exists()
@@ -603,8 +631,9 @@ def test_a_swap_killed_half_way_is_undone_at_start_up(tmp_path: Path) -> None:
     fake("step-8.stale.deleting", "a killed deletion", complete=False)
     fake("step-12", "damaged 12", complete=False)  # not from a swap: left for a person
     fake("step-12.stale", "old 12")
-    ckpt = Checkpointer({}, CheckpointConfig(), folder, ModelIdentity("llama3", {}),
-                        sidecar_fields={}, is_main=True)  # fmt: skip
+    ckpt = Checkpointer(
+        {}, CheckpointConfig(), folder, ModelIdentity("llama3", {}), sidecar_fields={}, is_main=True
+    )
     ckpt.close()  # waits for the background deletions
     names = sorted(p.name for p in folder.iterdir())
     assert names == ["step-12", "step-12.stale", "step-4", "step-4.partial", "step-8"], names
@@ -644,12 +673,19 @@ def test_rank_0_finishes_a_save_off_the_training_thread(tmp_path: Path) -> None:
         (release if len(finishers) == 1 else release_later).wait(120)  # bounds a failing run
         return {}
 
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
-                            rank=0, world_size=1)  # fmt: skip
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
     try:
-        ckpt = Checkpointer({"model": _Weights()}, CheckpointConfig(keep_latest_k=1), folder,
-                            ModelIdentity("llama3", {}), sidecar_fields={}, is_main=True,
-                            write_files=write_files)  # fmt: skip
+        ckpt = Checkpointer(
+            {"model": _Weights()},
+            CheckpointConfig(keep_latest_k=1),
+            folder,
+            ModelIdentity("llama3", {}),
+            sidecar_fields={},
+            is_main=True,
+            write_files=write_files,
+        )
         ckpt.save(1)
         assert not (folder / "step-1").exists(), "save() waited for rank 0's finishing"
         assert (folder / "step-1.partial" / ".metadata").is_file()
@@ -696,9 +732,13 @@ def test_sidecar_that_is_not_an_object_is_a_user_error(tmp_path: Path) -> None:
 
 # --------------------------------------------------------------------------- async, export, init
 EXPORT = [
-    "--checkpoint.async_mode", "async", "--checkpoint.last_save_model_only", "true",
-    "--checkpoint.export_dtype", "bfloat16",
-]  # fmt: skip
+    "--checkpoint.async_mode",
+    "async",
+    "--checkpoint.last_save_model_only",
+    "true",
+    "--checkpoint.export_dtype",
+    "bfloat16",
+]
 
 
 @pytest.fixture(scope="module")

@@ -35,16 +35,36 @@ STEPS = 16  # a checkpoint every 4: the kill and preemption tests need a few aft
 RTOL = 1e-4  # a parallel layout against one process: float32 round-off only
 # The tiny debug model of test_parity (heads divisible by tp), a checkpoint every 4 steps.
 TINY = (
-    "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4",
-    "--model.n_kv_heads", "4", "--model.multiple_of", "32", "--training.seq_len", "64",
-    "--training.steps", str(STEPS), "--metrics.log_freq", "1", "--validation.enable", "false",
-    "--checkpoint.interval", "4",
-)  # fmt: skip
+    "--model.dim",
+    "64",
+    "--model.n_layers",
+    "2",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "4",
+    "--model.multiple_of",
+    "32",
+    "--training.seq_len",
+    "64",
+    "--training.steps",
+    str(STEPS),
+    "--metrics.log_freq",
+    "1",
+    "--validation.enable",
+    "false",
+    "--checkpoint.interval",
+    "4",
+)
 # Global batch 2 everywhere: one process with 2 sequences, or dp=2 ranks with 1 each.
 SLURM_LAYOUT = (
-    "--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2",
-    "--training.local_batch_size", "1",
-)  # fmt: skip
+    "--parallelism.data_parallel_shard_degree",
+    "2",
+    "--parallelism.tensor_parallel_degree",
+    "2",
+    "--training.local_batch_size",
+    "1",
+)
 PLAIN_LAYOUT = ("--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "1")
 WAIT_S = 300  # any single wait; the machine may be shared and slow
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}  # a job's states once it is over
@@ -106,9 +126,13 @@ class Cluster:
     def run(self, node: str, *cmd: str, timeout: float = 60, **env: str) -> str:
         """CMD on NODE; its stdout (fails the test on a non-zero exit)."""
         result = subprocess.run(
-            self.command(node, *cmd), cwd=REPO, env={**self.env, **env}, capture_output=True,
-            text=True, timeout=timeout,
-        )  # fmt: skip
+            self.command(node, *cmd),
+            cwd=REPO,
+            env={**self.env, **env},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         assert result.returncode == 0, f"{cmd}: exit {result.returncode}\n{result.stderr}"
         return result.stdout
 
@@ -120,10 +144,21 @@ class Cluster:
     def submit(self, folder: Path, *args: str, **env: str) -> str:
         """sbatch multinode_trainer.slurm with the debug config, TINY and ARGS from node1, its
         output in FOLDER/slurm-JOBID.out; the job id."""
-        return self.run(
-            "node1", "sbatch", "--parsable", f"--output={folder}/slurm-%j.out", str(SLURM_SCRIPT),
-            CONFIG, *TINY, *args, **env,
-        ).strip().split(";")[0]  # fmt: skip
+        return (
+            self.run(
+                "node1",
+                "sbatch",
+                "--parsable",
+                f"--output={folder}/slurm-%j.out",
+                str(SLURM_SCRIPT),
+                CONFIG,
+                *TINY,
+                *args,
+                **env,
+            )
+            .strip()
+            .split(";")[0]
+        )
 
     def finished(self, job_id: str) -> dict[str, str] | None:
         """The job's state once it has ended, else None."""
@@ -140,9 +175,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     folder = tmp_path_factory.mktemp("cluster")
     env = subprocess_env(folder, OMP_NUM_THREADS="1")
     up = subprocess.run(
-        [str(LOCAL_CLUSTER), "up", "--dir", str(folder)], env=env, capture_output=True,
-        text=True, timeout=600,
-    )  # fmt: skip
+        [str(LOCAL_CLUSTER), "up", "--dir", str(folder)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if up.returncode == 2:  # local_cluster.sh refuses: not root, or no namespaces here
         pytest.skip(up.stderr.strip().splitlines()[-1])
     assert up.returncode == 0, f"local_cluster.sh up failed:\n{up.stdout}\n{up.stderr}"
@@ -150,9 +188,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield Cluster(folder, env)
     finally:
         subprocess.run(
-            [str(LOCAL_CLUSTER), "down", "--dir", str(folder)], env=env, capture_output=True,
+            [str(LOCAL_CLUSTER), "down", "--dir", str(folder)],
+            env=env,
+            capture_output=True,
             timeout=120,
-        )  # fmt: skip
+        )
         if TIMINGS:
             path = tmp_path_factory.getbasetemp() / "cluster_timings.json"
             path.write_text(json.dumps(TIMINGS, indent=2) + "\n")
@@ -167,8 +207,15 @@ def baseline(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     from pool import get_pool
 
     out = tmp_path_factory.mktemp("baseline") / "run"
-    argv = [*TINY, "--training.local_batch_size", "2", "--checkpoint.enable", "false",
-            "--job.dump_folder", str(out)]  # fmt: skip
+    argv = [
+        *TINY,
+        "--training.local_batch_size",
+        "2",
+        "--checkpoint.enable",
+        "false",
+        "--job.dump_folder",
+        str(out),
+    ]
     get_pool(1).run(train_scenarios.train, argv=argv, timeout=WAIT_S)
     curve = losses(out)
     assert len(set(curve.values())) == STEPS  # the model trains: every loss differs
@@ -200,10 +247,14 @@ def killed_rank_run(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) 
     folder = tmp_path_factory.mktemp("plain")
     out = folder / "run"
     env = {
-        **cluster.env, "NNODES": "2", "NGPU": "1", "RDZV_ENDPOINT": "node1:29400",
-        "RDZV_ID": "plain", "MAX_RESTARTS": "1",
+        **cluster.env,
+        "NNODES": "2",
+        "NGPU": "1",
+        "RDZV_ENDPOINT": "node1:29400",
+        "RDZV_ID": "plain",
+        "MAX_RESTARTS": "1",
         **slow_steps(folder),  # the kill lands before step-8 is saved, however late
-    }  # fmt: skip
+    }
     args = (CONFIG, *TINY, *PLAIN_LAYOUT, "--job.dump_folder", str(out))
     procs, logs = {}, {}
     try:
@@ -211,9 +262,12 @@ def killed_rank_run(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) 
             logs[node] = folder / f"{node}.log"
             with open(logs[node], "w") as log:
                 procs[node] = subprocess.Popen(
-                    cluster.command(node, str(REPO / "run_train.sh"), *args), cwd=REPO,
-                    env=env, stdout=log, stderr=subprocess.STDOUT,
-                )  # fmt: skip
+                    cluster.command(node, str(REPO / "run_train.sh"), *args),
+                    cwd=REPO,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
 
         def ready() -> bool:
             logged = [r["step"] for r in step_records(out) if "loss" in r]
@@ -231,9 +285,11 @@ def killed_rank_run(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) 
             if p.poll() is None:
                 p.kill()
     return {
-        "out": out, "codes": codes, "killed_after": killed_after,
+        "out": out,
+        "codes": codes,
+        "killed_after": killed_after,
         "logs": {node: path.read_text() for node, path in logs.items()},
-    }  # fmt: skip
+    }
 
 
 def wait_all(procs: dict[str, subprocess.Popen], grace: float = 90) -> dict[str, int | None]:

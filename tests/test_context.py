@@ -18,10 +18,10 @@ import train_scenarios
 from pool import get_pool
 
 from titanlite.checks import check, check_context
-from titanlite.compare import relative_difference
 from titanlite.config import ConfigError, JobConfig, resolve_degrees
 from titanlite.errors import Problems
-from titanlite.parallel.context import chunk_positions, kv_bytes_received
+from titanlite.metrics.compare import relative_difference
+from titanlite.parallel.context.attention import chunk_positions, kv_bytes_received
 
 
 def config(**parallelism: int) -> JobConfig:
@@ -47,8 +47,11 @@ def test_degrees_include_the_context_dimension() -> None:
     d = resolve_degrees(config(context_parallel_degree=2, tensor_parallel_degree=2), 8)
     assert (d.dp_shard, d.cp, d.tp, d.loss, d.fsdp) == (2, 2, 2, 4, 4)
     assert d.describe() == "dp_shard=2 x cp=2 x tp=2"
-    with pytest.raises(ConfigError, match=r"not divisible by data_parallel_replicate_degree x "
-                       r"context_parallel_degree x tensor_parallel_degree = 1 x 4 x 1"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"not divisible by data_parallel_replicate_degree x "
+        r"context_parallel_degree x tensor_parallel_degree = 1 x 4 x 1",
+    ):
         resolve_degrees(config(context_parallel_degree=4), 6)
     with pytest.raises(ConfigError, match="context_parallel_degree must be at least 1"):
         resolve_degrees(config(context_parallel_degree=0), 2)
@@ -58,17 +61,22 @@ def test_degrees_include_the_context_dimension() -> None:
     ("seq", "cp", "tp", "pp", "words"),
     [
         (96, 2, 2, 1, None),
-        (98, 2, 1, 1, r"seq_len 98 is not divisible by 2 x context_parallel_degree x "
-                       r"tensor_parallel_degree = 2 x 2 x 1 = 4"),
+        (
+            98,
+            2,
+            1,
+            1,
+            r"seq_len 98 is not divisible by 2 x context_parallel_degree x "
+            r"tensor_parallel_degree = 2 x 2 x 1 = 4",
+        ),
         (80, 4, 4, 1, "seq_len 80 is not divisible by .* = 2 x 4 x 4 = 32"),
         (96, 2, 1, 2, "does not combine with pipeline parallelism"),
     ],
-)  # fmt: skip
+)
 def test_context_parallel_layout_checks(
     seq: int, cp: int, tp: int, pp: int, words: str | None
 ) -> None:
-    cfg = config(context_parallel_degree=cp, tensor_parallel_degree=tp,
-                 pipeline_parallel_degree=pp)  # fmt: skip
+    cfg = config(context_parallel_degree=cp, tensor_parallel_degree=tp, pipeline_parallel_degree=pp)
     cfg.training.seq_len = seq
     problems = Problems()
     check_context(cfg, resolve_degrees(cfg, cp * tp * pp), problems)
@@ -94,9 +102,12 @@ def test_attention_kernel_matches_full_attention(world: int, kv_heads: int, mask
 @pytest.mark.parametrize("world", [2, 4])
 def test_attention_kernel_with_documents_matches_a_block_causal_mask(world: int) -> None:
     diffs = get_pool(world).run(
-        cp_scenarios.attention_matches_full, kv_heads=2, seq=8 * world, masked=False,
+        cp_scenarios.attention_matches_full,
+        kv_heads=2,
+        seq=8 * world,
+        masked=False,
         documents=True,
-    )  # fmt: skip
+    )
     for rank, worst in enumerate(diffs):
         assert max(worst.values()) < 1e-12, (rank, worst)
 
@@ -109,8 +120,13 @@ def test_windowed_attention_receives_only_what_its_windows_reach(world: int) -> 
     reaches every key: the layer gathers), with and without documents and sinks: outputs,
     gradients (sinks' too) and QK-clip's largest logits of one process, float64."""
     seq, chunk = 8 * world, 4
-    cases = [(1, False, True), (3, True, True), (5, False, True), (7, True, False),
-             (seq, True, True)]  # fmt: skip
+    cases = [
+        (1, False, True),
+        (3, True, True),
+        (5, False, True),
+        (7, True, False),
+        (seq, True, True),
+    ]
     results = get_pool(world).run(cp_scenarios.window_matches_full, seq=seq, cases=cases)
     for rank, per_case in enumerate(results):
         for (window, _, sinks), diffs in zip(cases, per_case, strict=True):
@@ -127,10 +143,12 @@ def test_windowed_attention_receives_only_what_its_windows_reach(world: int) -> 
     # The byte count docs and benchmarks quote is what the busiest rank received (1 channel
     # of 1 byte: 2 per token, keys and values), the gather's where the layer gathered.
     for w, per_rank in zip(cases, zip(*results, strict=True), strict=True):
-        received = [(world - 1) * 2 * chunk if d["received"] is None else d["received"]
-                    for d in per_rank]  # fmt: skip
-        assert kv_bytes_received(seq_len=seq, cp=world, window=w[0], batch=1, kv_channels=1,
-                                 element_size=1) == 2 * max(received), w  # fmt: skip
+        received = [
+            (world - 1) * 2 * chunk if d["received"] is None else d["received"] for d in per_rank
+        ]
+        assert kv_bytes_received(
+            seq_len=seq, cp=world, window=w[0], batch=1, kv_channels=1, element_size=1
+        ) == 2 * max(received), w
 
 
 @pytest.mark.slow
@@ -149,8 +167,10 @@ def test_linear_attention_layers_match_one_process(world: int, chunk: int, docum
     for rank, result in enumerate(results):
         assert max(result["out"], result["grads"]) < 1e-5, (rank, result)
         assert result["received_bytes"] > 0
-    print(f"cp={world}, chunk {chunk}: rank 0 received {results[0]['received_bytes']} bytes "
-          f"(keys and values: {results[0]['kv_bytes']})")  # fmt: skip
+    print(
+        f"cp={world}, chunk {chunk}: rank 0 received {results[0]['received_bytes']} bytes "
+        f"(keys and values: {results[0]['kv_bytes']})"
+    )
 
 
 def test_launcher_checks_report_the_context_parallel_problems() -> None:
@@ -168,13 +188,24 @@ def test_validation_loss_under_context_parallelism_matches_one_process(tmp_path:
     """The held-out batches are split like the training ones: the same validation loss (and
     token count) on cp=2 x dp_shard=2 as in one process, global batch 4."""
     argv = [
-        "--training.steps", "2", "--validation.freq", "2", "--validation.steps", "3",
-        "--checkpoint.enable", "false", "--training.seq_len", "64", "--model.n_layers", "2",
-    ]  # fmt: skip
+        "--training.steps",
+        "2",
+        "--validation.freq",
+        "2",
+        "--validation.steps",
+        "3",
+        "--checkpoint.enable",
+        "false",
+        "--training.seq_len",
+        "64",
+        "--model.n_layers",
+        "2",
+    ]
     results = {}
-    for world, layout in ((1, ["--training.local_batch_size", "4"]),
-                          (4, ["--training.local_batch_size", "2",
-                               "--parallelism.context_parallel_degree", "2"])):  # fmt: skip
+    for world, layout in (
+        (1, ["--training.local_batch_size", "4"]),
+        (4, ["--training.local_batch_size", "2", "--parallelism.context_parallel_degree", "2"]),
+    ):
         out = tmp_path / f"w{world}"
         run = get_pool(world).run(
             train_scenarios.train, argv=[*argv, *layout, "--job.dump_folder", str(out)]
@@ -204,10 +235,23 @@ def test_document_masking_under_context_parallelism_matches_one_process(tmp_path
     the one-process masked losses to float32 round-off, and visibly unlike unmasked ones."""
     data = short_documents(tmp_path / "docs.jsonl")
     argv = [
-        "--training.steps", "8", "--metrics.log_freq", "1", "--validation.enable", "false",
-        "--checkpoint.enable", "false", "--training.seq_len", "64", "--model.n_layers", "2",
-        "--training.local_batch_size", "8", "--training.dataset_path", str(data),
-    ]  # fmt: skip
+        "--training.steps",
+        "8",
+        "--metrics.log_freq",
+        "1",
+        "--validation.enable",
+        "false",
+        "--checkpoint.enable",
+        "false",
+        "--training.seq_len",
+        "64",
+        "--model.n_layers",
+        "2",
+        "--training.local_batch_size",
+        "8",
+        "--training.dataset_path",
+        str(data),
+    ]
     masked = ["--training.document_mask", "true", "--training.document_positions", "true"]
     runs = {}
     for name, world, extra in (

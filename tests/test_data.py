@@ -599,10 +599,11 @@ def test_saved_state_does_not_grow_with_the_data_parallel_degree(tok: Tokenizer,
     legacy = {**older.state_dict(), "format": 1, "tokens": older._tokens.tolist()}
     position = older._position
     legacy.update(
-        epoch=position.epoch, epoch_documents=position.epoch_documents,
+        epoch=position.epoch,
+        epoch_documents=position.epoch_documents,
         exhausted=position.exhausted,
         dataset_state=json.dumps(position.dataset_state) if position.dataset_state else "",
-    )  # fmt: skip
+    )
     del legacy["skip"]
     resumed = build_dataloader(tok, one, 0, 1, split="train")
     resumed.load_state_dict(legacy)
@@ -658,6 +659,9 @@ def test_split_by_rank_reads_only_the_ranks_own_files(tok: Tokenizer, corpus: Pa
         build_dataloader(tok, spec, 0, 64, split="train")
     # Validation stays one global pass over the held-out documents of every file.
     v_split = stacked(take(build_dataloader(tok, spec, 1, 4, split="validation"), 2))
-    v_global = stacked(take(build_dataloader(tok, spec_for(corpus, local_batch_size=2), 1, 4,
-                                             split="validation"), 2))  # fmt: skip
+    v_global = stacked(
+        take(
+            build_dataloader(tok, spec_for(corpus, local_batch_size=2), 1, 4, split="validation"), 2
+        )
+    )
     assert torch.equal(v_split, v_global)

@@ -1,4 +1,4 @@
-"""Tests of titanlite's bucketed data-parallel engine (titanlite/parallel/ddp.py).
+"""Tests of titanlite's bucketed data-parallel engine (titanlite/parallel/ddp/engine.py).
 
 Single-process tests check bucket assignment and gradient views in a world of one. The slow
 tests run scenarios (tests/ddp_scenarios.py) on the session's pools of 2 and 4 gloo ranks
@@ -15,7 +15,7 @@ import torch.distributed as dist
 from pool import ScenarioError, get_pool
 from torch import nn
 
-from titanlite.parallel.ddp import BucketedDDP, assign_buckets
+from titanlite.parallel.ddp.engine import BucketedDDP, assign_buckets
 
 KIB = 1024
 

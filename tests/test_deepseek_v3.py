@@ -29,11 +29,26 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def tiny_args(**changes: object) -> DeepseekV3Args:
     base: dict = dict(
-        dim=48, n_layers=3, n_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
-        qk_rope_head_dim=4, v_head_dim=6, dense_hidden_dim=40, first_k_dense=1,
-        num_experts=8, top_k=3, moe_hidden_dim=12, shared_experts=1, n_groups=4,
-        topk_groups=2, route_scale=2.5, vocab_size=512, max_seq_len=64,
-    )  # fmt: skip
+        dim=48,
+        n_layers=3,
+        n_heads=4,
+        q_lora_rank=24,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=6,
+        dense_hidden_dim=40,
+        first_k_dense=1,
+        num_experts=8,
+        top_k=3,
+        moe_hidden_dim=12,
+        shared_experts=1,
+        n_groups=4,
+        topk_groups=2,
+        route_scale=2.5,
+        vocab_size=512,
+        max_seq_len=64,
+    )
     return DeepseekV3Args(**(base | changes))
 
 
@@ -67,8 +82,10 @@ def test_latent_core_is_softmax_attention_with_its_scale_and_value_size() -> Non
     want = logits.masked_fill(~causal, -math.inf).softmax(-1) @ v
     torch.testing.assert_close(core(q, k, v), want, atol=1e-5, rtol=1e-5)
     documents = torch.tensor([[0] * 4 + [1] * 6] * 2)
-    split = torch.cat([core(q[:, :, :4], k[:, :, :4], v[:, :, :4]),
-                       core(q[:, :, 4:], k[:, :, 4:], v[:, :, 4:])], dim=2)  # fmt: skip
+    split = torch.cat(
+        [core(q[:, :, :4], k[:, :, :4], v[:, :, :4]), core(q[:, :, 4:], k[:, :, 4:], v[:, :, 4:])],
+        dim=2,
+    )
     torch.testing.assert_close(core(q, k, v, documents), split, atol=1e-5, rtol=1e-5)
 
 
@@ -89,7 +106,9 @@ def test_more_mtp_depths_than_the_sequence_has_tokens_is_refused() -> None:
     nothing to predict (a million depths built for minutes before)."""
     assert SPEC.make_args("debugmodel", 4096, 8, {"mtp_layers": 7}).mtp_layers == 7
     for depths in (8, 10**6):
-        with pytest.raises(ValueError, match=f"mtp_layers {depths} must be below the sequence length 8"):  # fmt: skip
+        with pytest.raises(
+            ValueError, match=f"mtp_layers {depths} must be below the sequence length 8"
+        ):
             SPEC.make_args("debugmodel", 4096, 8, {"mtp_layers": depths})
 
 
@@ -115,7 +134,7 @@ def test_mtp_targets_skip_the_window_tail_and_other_documents() -> None:
     where the label is ignored, or (with documents) where it belongs to another document
     than position i's token."""
     from titanlite.data.batches import IGNORE_INDEX
-    from titanlite.loss import mtp_labels
+    from titanlite.training.loss import mtp_labels
 
     labels = torch.tensor([[11, 12, 13, 14, 15, 16, IGNORE_INDEX, 18]])
     documents = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2]])  # label i is token i + 1's
@@ -140,7 +159,7 @@ def test_mtp_loss_equals_a_direct_computation() -> None:
     targets d + 1 ahead."""
     import torch.nn.functional as F
 
-    from titanlite.loss import TrainingLoss, mtp_labels
+    from titanlite.training.loss import TrainingLoss, mtp_labels
 
     args = tiny_args(mtp_layers=2, mtp_loss_weight=0.25)
     model = tiny_model(args, seed=2)
@@ -155,16 +174,26 @@ def test_mtp_loss_equals_a_direct_computation() -> None:
         h = model.tok_embeddings(tokens)
         for block in model.layers.values():
             h = block(h, model.rope)
-        ce = F.cross_entropy(model.output(model.norm(h)).flatten(0, 1), labels.flatten(),
-                             reduction="sum", ignore_index=-100)  # fmt: skip
+        ce = F.cross_entropy(
+            model.output(model.norm(h)).flatten(0, 1),
+            labels.flatten(),
+            reduction="sum",
+            ignore_index=-100,
+        )
         depth_losses = []
         for d, depth in enumerate(model.mtp.values(), start=1):
             ahead = torch.cat([tokens[:, d:], tokens[:, :d]], dim=1)
             joined = torch.cat([depth.enorm(model.tok_embeddings(ahead)), depth.hnorm(h)], -1)
             h = depth.block(depth.eh_proj(joined), model.rope)
             logits = model.output(depth.norm(h))[:, : 12 - d]
-            depth_losses.append(F.cross_entropy(logits.flatten(0, 1), labels[:, d:].flatten(),
-                                                reduction="sum", ignore_index=-100))  # fmt: skip
+            depth_losses.append(
+                F.cross_entropy(
+                    logits.flatten(0, 1),
+                    labels[:, d:].flatten(),
+                    reduction="sum",
+                    ignore_index=-100,
+                )
+            )
         mtp = sum(depth_losses) / 2
     torch.testing.assert_close(terms, torch.stack([ce, mtp]), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(objective.detach(), ce + 0.25 * mtp, rtol=1e-5, atol=1e-5)
@@ -180,8 +209,8 @@ def test_training_step_gives_mtp_its_targets_within_documents() -> None:
     terms equal the loss of the document-masked logits against those targets, and differ
     from the targets that ignore the documents."""
     from titanlite.data.documents import DocumentMask
-    from titanlite.loss import TrainingLoss, mtp_labels
     from titanlite.parallel.parallel_model import ParallelModel
+    from titanlite.training.loss import TrainingLoss, mtp_labels
 
     model = tiny_model(tiny_args(mtp_layers=1), seed=4)
     documents = DocumentMask(bos_id=1, eos_id=2)
@@ -200,11 +229,21 @@ def test_training_step_gives_mtp_its_targets_within_documents() -> None:
     assert terms[1] != across[1]
 
 
-YARN = {"rope_factor": 4.0, "rope_original_seq_len": 16, "rope_mscale": 1.0,
-        "rope_mscale_all_dim": 0.7}  # fmt: skip
+YARN = {
+    "rope_factor": 4.0,
+    "rope_original_seq_len": 16,
+    "rope_mscale": 1.0,
+    "rope_mscale_all_dim": 0.7,
+}
 # DeepSeek-V2-Lite's routing (the 16B flavor's): softmax top-k, no groups, no renormalization.
-SOFTMAX = {"score_func": "softmax", "norm_topk": False, "n_groups": 1, "topk_groups": 1,
-           "route_scale": 1.5, "bias_update_rate": 0.0}  # fmt: skip
+SOFTMAX = {
+    "score_func": "softmax",
+    "norm_topk": False,
+    "n_groups": 1,
+    "topk_groups": 1,
+    "route_scale": 1.5,
+    "bias_update_rate": 0.0,
+}
 
 
 @pytest.mark.slow
@@ -244,7 +283,11 @@ def test_export_to_transformers_gives_equal_logits_and_imports_back(
     assert config.get("num_nextn_predict_layers", 0) == args.mtp_layers
     read = adapter.from_hf_config(config)  # config.json alone gives back the routing
     assert (read.score_func, read.norm_topk, read.n_groups, read.route_scale) == (
-        args.score_func, args.norm_topk, args.n_groups, args.route_scale)  # fmt: skip
+        args.score_func,
+        args.norm_topk,
+        args.n_groups,
+        args.route_scale,
+    )
     if args.mtp_layers:  # the depth as the block after the last, as DeepSeek-V3 ships it
         from safetensors import safe_open
 
@@ -253,9 +296,18 @@ def test_export_to_transformers_gives_equal_logits_and_imports_back(
             with safe_open(str(file), "pt") as f:
                 names |= set(f.keys())
         mtp = {n for n in names if n.startswith("model.layers.3.")}
-        assert {f"model.layers.3.{n}" for n in ("enorm.weight", "hnorm.weight",
-                "eh_proj.weight", "shared_head.norm.weight", "shared_head.head.weight",
-                "embed_tokens.weight", "mlp.gate.weight")} <= mtp  # fmt: skip
+        assert {
+            f"model.layers.3.{n}"
+            for n in (
+                "enorm.weight",
+                "hnorm.weight",
+                "eh_proj.weight",
+                "shared_head.norm.weight",
+                "shared_head.head.weight",
+                "embed_tokens.weight",
+                "mlp.gate.weight",
+            )
+        } <= mtp
     hf = getattr(transformers, arch).from_pretrained(out, dtype=torch.float32).eval()
     x = torch.randint(4, 4096, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -275,19 +327,44 @@ def test_export_to_transformers_gives_equal_logits_and_imports_back(
 
 # --------------------------------------------------------------------------- training
 DSV3_ARGS = [
-    "--model.name", "deepseek_v3", "--model.n_layers", "2", "--model.q_lora_rank", "32",
-    "--training.steps", "8", "--training.seq_len", "32", "--metrics.log_freq", "1",
-    "--validation.enable", "false", "--checkpoint.enable", "false",
-    "--model.aux_loss_coef", "0.01", "--model.bias_update_rate", "0.001",
-    "--model.mtp_layers", "1", "--model.mtp_loss_weight", "0.3",
-]  # fmt: skip
+    "--model.name",
+    "deepseek_v3",
+    "--model.n_layers",
+    "2",
+    "--model.q_lora_rank",
+    "32",
+    "--training.steps",
+    "8",
+    "--training.seq_len",
+    "32",
+    "--metrics.log_freq",
+    "1",
+    "--validation.enable",
+    "false",
+    "--checkpoint.enable",
+    "false",
+    "--model.aux_loss_coef",
+    "0.01",
+    "--model.bias_update_rate",
+    "0.001",
+    "--model.mtp_layers",
+    "1",
+    "--model.mtp_loss_weight",
+    "0.3",
+]
 
 
 def train(world: int, out: Path, local_batch: int, *args: str) -> dict:
     from train_scenarios import on_pool
 
-    argv = [*DSV3_ARGS, "--training.local_batch_size", str(local_batch),
-            "--job.dump_folder", str(out), *args]  # fmt: skip
+    argv = [
+        *DSV3_ARGS,
+        "--training.local_batch_size",
+        str(local_batch),
+        "--job.dump_folder",
+        str(out),
+        *args,
+    ]
     return on_pool(world, argv)
 
 
@@ -312,11 +389,29 @@ def test_tensor_expert_and_pipeline_layouts_match_one_process(tmp_path: Path) ->
     assert sorted(base) == list(range(1, 9)) and base[8] < base[1]
     assert sorted(base_mtp) == list(range(1, 9)) and base_mtp[8] < base_mtp[1]
     worst = {}
-    layouts = (("dp2_tp2", 2, ("--parallelism.tensor_parallel_degree", "2")),
-               ("ep2_cp2", 2, ("--parallelism.expert_parallel_degree", "2",
-                               "--parallelism.context_parallel_degree", "2")),
-               ("pp2_ep2_dp2", 2, ("--parallelism.pipeline_parallel_degree", "2",
-                                   "--parallelism.expert_parallel_degree", "2")))  # fmt: skip
+    layouts = (
+        ("dp2_tp2", 2, ("--parallelism.tensor_parallel_degree", "2")),
+        (
+            "ep2_cp2",
+            2,
+            (
+                "--parallelism.expert_parallel_degree",
+                "2",
+                "--parallelism.context_parallel_degree",
+                "2",
+            ),
+        ),
+        (
+            "pp2_ep2_dp2",
+            2,
+            (
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--parallelism.expert_parallel_degree",
+                "2",
+            ),
+        ),
+    )
     for name, local_batch, extra in layouts:
         run = train(4, tmp_path / name, local_batch, *extra)
         loss, norm = by_step(run, "loss"), by_step(run, "grad_norm")
@@ -358,9 +453,13 @@ def write_fp8_folder(folder: Path, block: int = 16) -> dict[str, torch.Tensor]:
     folder.mkdir()
     save_file(tensors, str(folder / "model.safetensors"))
     config = hf.to_hf_config(args) | {
-        "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                "fmt": "e4m3", "weight_block_size": [block, block]},
-    }  # fmt: skip
+        "quantization_config": {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "weight_block_size": [block, block],
+        },
+    }
     (folder / "config.json").write_text(json.dumps(config))
     return expected
 
@@ -397,8 +496,10 @@ def test_fp8_block_scaled_weights_import_dequantized_and_bad_scales_are_one_line
 
     tensors = load_file(str(tmp_path / "fp8" / "model.safetensors"))
     scale = "model.layers.1.mlp.experts.3.down_proj.weight_scale_inv"
-    broken = {"missing": {k: v for k, v in tensors.items() if k != scale},
-              "wrong shape": tensors | {scale: tensors[scale][:1]}}  # fmt: skip
+    broken = {
+        "missing": {k: v for k, v in tensors.items() if k != scale},
+        "wrong shape": tensors | {scale: tensors[scale][:1]},
+    }
     lines = {}
     for name, content in broken.items():
         save_file(content, str(tmp_path / "fp8" / "model.safetensors"))
@@ -407,9 +508,11 @@ def test_fp8_block_scaled_weights_import_dequantized_and_bad_scales_are_one_line
     weight = scale.removesuffix("_scale_inv")
     assert lines == {
         "missing": [f"error: float8 weight {weight!r} has no {scale!r}"],
-        "wrong shape": [f"error: {scale!r} has shape [1, 1]; {weight!r} of shape [48, 12] in "
-                        "16x16 blocks needs [3, 1]"],
-    }  # fmt: skip
+        "wrong shape": [
+            f"error: {scale!r} has shape [1, 1]; {weight!r} of shape [48, 12] in "
+            "16x16 blocks needs [3, 1]"
+        ],
+    }
 
 
 @pytest.mark.slow
@@ -425,20 +528,43 @@ def test_the_shipped_debug_config_learns_and_resumes_across_layouts(tmp_path: Pa
     from train_scenarios import by_step as records_by_step
     from train_scenarios import on_pool
 
-    short = ["--job.config_file", str(REPO / "train_configs" / "deepseek_v3_debug.toml"),
-             "--training.steps", "8", "--training.seq_len", "32", "--metrics.log_freq", "1",
-             "--validation.enable", "false", "--checkpoint.interval", "4",
-             "--model.mtp_layers", "1"]  # fmt: skip
+    short = [
+        "--job.config_file",
+        str(REPO / "train_configs" / "deepseek_v3_debug.toml"),
+        "--training.steps",
+        "8",
+        "--training.seq_len",
+        "32",
+        "--metrics.log_freq",
+        "1",
+        "--validation.enable",
+        "false",
+        "--checkpoint.interval",
+        "4",
+        "--model.mtp_layers",
+        "1",
+    ]
     one = on_pool(1, [*short, "--job.dump_folder", str(tmp_path / "one")])
-    four = on_pool(4, [*short, "--job.dump_folder", str(tmp_path / "four"),
-                       "--training.local_batch_size", "2",
-                       "--parallelism.expert_parallel_degree", "2"])  # fmt: skip
+    four = on_pool(
+        4,
+        [
+            *short,
+            "--job.dump_folder",
+            str(tmp_path / "four"),
+            "--training.local_batch_size",
+            "2",
+            "--parallelism.expert_parallel_degree",
+            "2",
+        ],
+    )
     curves = [[r["loss"] for r in records_by_step(run["records"]).values()] for run in (one, four)]
     for curve in curves:
         assert len(curve) == 8 and curve[-1] < 0.8 * curve[0], curve
     worst = max(abs(a - b) / a for a, b in zip(*curves, strict=True))
-    print(f"deepseek_v3_debug.toml: loss {curves[0][0]:.2f} -> {curves[0][-1]:.2f}; "
-          f"4 ranks against 1: {worst:.1e}")  # fmt: skip
+    print(
+        f"deepseek_v3_debug.toml: loss {curves[0][0]:.2f} -> {curves[0][-1]:.2f}; "
+        f"4 ranks against 1: {worst:.1e}"
+    )
     assert worst <= 1e-5
 
     out = tmp_path / "resumed"

@@ -123,8 +123,10 @@ def fla_contract(q, k, v, g, beta, *, scale, initial_state, output_final_state, 
     outs, states = [], []
     for i, (lo, hi) in enumerate(zip(bounds, bounds[1:], strict=False)):
         start = None if initial_state is None else initial_state[i : i + 1]
-        out, state = stepwise(*(x[..., lo:hi, :] if x.dim() == 4 else x[..., lo:hi]
-                                for x in heads_first), initial_state=start)  # fmt: skip
+        out, state = stepwise(
+            *(x[..., lo:hi, :] if x.dim() == 4 else x[..., lo:hi] for x in heads_first),
+            initial_state=start,
+        )
         outs.append(out)
         states.append(state)
     return torch.cat(outs, dim=2).transpose(1, 2), torch.cat(states)

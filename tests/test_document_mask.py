@@ -36,8 +36,9 @@ def block_causal_reference(q, k, v, documents):  # noqa: ANN001, ANN201
 def test_block_causal_kernel_matches_an_explicit_mask(masked: bool) -> None:
     torch.manual_seed(0)
     b, h, kv, s, d = 3, 4, 2, 24, 8
-    q, k, v = (torch.randn(b, n, s, d, dtype=torch.float64, requires_grad=True)
-               for n in (h, kv, kv))  # fmt: skip
+    q, k, v = (
+        torch.randn(b, n, s, d, dtype=torch.float64, requires_grad=True) for n in (h, kv, kv)
+    )
     # Different boundaries per sequence, a one-token document and one spanning all.
     starts = torch.zeros(b, s, dtype=torch.long)
     starts[0, [5, 6, 17]] = 1

@@ -19,9 +19,14 @@ CONFIG_405B = str(REPO / "train_configs" / "llama3_405b.toml")
 def test_multi_node_dry_run_needs_no_rendezvous_and_sizes_the_shards(tmp_path: Path) -> None:
     """The README's command as pasted: NNODES > 1 without RDZV_ENDPOINT is fine for a dry run."""
     result = run_train(
-        tmp_path, CONFIG_405B, "--job.dry_run", "--model.vocab_size", "128256",
-        ngpu=8, NNODES="256",
-    )  # fmt: skip
+        tmp_path,
+        CONFIG_405B,
+        "--job.dry_run",
+        "--model.vocab_size",
+        "128256",
+        ngpu=8,
+        NNODES="256",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "dry run: llama3/405B on 2048 ranks" in out
@@ -34,10 +39,20 @@ def test_multi_node_dry_run_needs_no_rendezvous_and_sizes_the_shards(tmp_path: P
 def test_dry_run_init_rank_allocates_and_initializes_one_ranks_shards(tmp_path: Path) -> None:
     # Llama 3 1B on 64 ranks (dp_shard 16 x tp 4): ~19 M elements for rank 37.
     result = run_train(
-        tmp_path, CONFIG_405B, "--model.flavor", "1B", "--job.dry_run",
-        "--model.vocab_size", "128256", "--parallelism.tensor_parallel_degree", "4",
-        "--job.dry_run_init_rank", "37", ngpu=8, NNODES="8",
-    )  # fmt: skip
+        tmp_path,
+        CONFIG_405B,
+        "--model.flavor",
+        "1B",
+        "--job.dry_run",
+        "--model.vocab_size",
+        "128256",
+        "--parallelism.tensor_parallel_degree",
+        "4",
+        "--job.dry_run_init_rank",
+        "37",
+        ngpu=8,
+        NNODES="8",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     local = int(re.search(r"([\d,]+) on rank 37", out).group(1).replace(",", ""))
@@ -98,12 +113,20 @@ def test_dry_run_sizes_context_parallel_activations() -> None:
 
     reports = {}
     for cp in (1, 4):
-        cfg = load_config([
-            "--job.config_file", str(REPO / "train_configs" / "llama3_8b.toml"),
-            "--training.seq_len", "32768", "--training.local_batch_size", "1",
-            "--parallelism.tensor_parallel_degree", "4",
-            "--parallelism.context_parallel_degree", str(cp),
-        ])  # fmt: skip
+        cfg = load_config(
+            [
+                "--job.config_file",
+                str(REPO / "train_configs" / "llama3_8b.toml"),
+                "--training.seq_len",
+                "32768",
+                "--training.local_batch_size",
+                "1",
+                "--parallelism.tensor_parallel_degree",
+                "4",
+                "--parallelism.context_parallel_degree",
+                str(cp),
+            ]
+        )
         reports[cp] = dry_run(cfg, 32, 128256)
     gib = {
         cp: float(re.search(r"activations\s+~([\d.]+) GiB", out).group(1))
@@ -129,12 +152,22 @@ def test_dry_run_counts_only_the_keys_a_window_reaches_under_context_parallelism
 
     gib = {}
     for window in (128, 0):
-        cfg = load_config([
-            "--job.config_file", str(REPO / "train_configs" / "gpt_oss_debug.toml"),
-            "--training.seq_len", "4096", "--training.local_batch_size", "64",
-            "--parallelism.context_parallel_degree", "2", "--model.window_pattern", "GL",
-            "--model.sliding_window", str(window),
-        ])  # fmt: skip
+        cfg = load_config(
+            [
+                "--job.config_file",
+                str(REPO / "train_configs" / "gpt_oss_debug.toml"),
+                "--training.seq_len",
+                "4096",
+                "--training.local_batch_size",
+                "64",
+                "--parallelism.context_parallel_degree",
+                "2",
+                "--model.window_pattern",
+                "GL",
+                "--model.sliding_window",
+                str(window),
+            ]
+        )
         out = dry_run(cfg, 2, 2000)
         gib[window] = float(re.search(r"activations\s+~([\d.]+) GiB", out).group(1))
     kept_less = 2 * 2 * 2 * 64 * (4096 - 2302) * 128 * 4 / 2**30  # 0.44 GiB
@@ -166,10 +199,19 @@ def test_moe_dry_run_sizes_qwen3_235b_on_256_ranks_under_expert_parallelism(
     layers, dim, hidden, top_k, tokens = 94, 4096, 1536, 8, 4096
     expert_elements = 3 * dim * hidden  # w1, w3, w2 of one expert
     base = [
-        MOE_CONFIG, "--job.dry_run", "--model.flavor", "235B-A22B", "--model.vocab_size",
-        "151936", "--training.seq_len", str(tokens), "--training.local_batch_size", "1",
-        "--training.mixed_precision_param", "bfloat16",
-    ]  # fmt: skip
+        MOE_CONFIG,
+        "--job.dry_run",
+        "--model.flavor",
+        "235B-A22B",
+        "--model.vocab_size",
+        "151936",
+        "--training.seq_len",
+        str(tokens),
+        "--training.local_batch_size",
+        "1",
+        "--training.mixed_precision_param",
+        "bfloat16",
+    ]
     monkeypatch.setenv("WORLD_SIZE", "256")
     figures = {}
     for ep in (8, 16):
@@ -213,11 +255,23 @@ def test_moe_dry_run_sizes_qwen3_5_397b_a17b(
 
     layers, dim, top_k, tokens = 60, 4096, 10, 4096
     argv = [
-        MOE_CONFIG, "--job.dry_run", "--model.name", "qwen3_5_moe", "--model.flavor",
-        "397B-A17B", "--model.vocab_size", "248320", "--training.seq_len", str(tokens),
-        "--training.local_batch_size", "1", "--training.mixed_precision_param", "bfloat16",
-        "--parallelism.expert_parallel_degree", "16",
-    ]  # fmt: skip
+        MOE_CONFIG,
+        "--job.dry_run",
+        "--model.name",
+        "qwen3_5_moe",
+        "--model.flavor",
+        "397B-A17B",
+        "--model.vocab_size",
+        "248320",
+        "--training.seq_len",
+        str(tokens),
+        "--training.local_batch_size",
+        "1",
+        "--training.mixed_precision_param",
+        "bfloat16",
+        "--parallelism.expert_parallel_degree",
+        "16",
+    ]
     monkeypatch.setenv("WORLD_SIZE", "256")
     assert preflight.main(["--job.config_file", *argv]) == preflight.EXIT_NO_LAUNCH
     out = capsys.readouterr().out
@@ -238,12 +292,22 @@ def test_moe_dry_run_all_to_all_bytes_follow_the_formula() -> None:
     from titanlite.dry_run import dry_run
 
     def report(ep: int) -> str:
-        cfg = load_config([
-            "--job.config_file", MOE_CONFIG, "--training.seq_len", "256",
-            "--training.local_batch_size", "2", "--training.global_batch_size", "32",
-            "--activation_checkpoint.mode", "full",
-            "--parallelism.expert_parallel_degree", str(ep),
-        ])  # fmt: skip
+        cfg = load_config(
+            [
+                "--job.config_file",
+                MOE_CONFIG,
+                "--training.seq_len",
+                "256",
+                "--training.local_batch_size",
+                "2",
+                "--training.global_batch_size",
+                "32",
+                "--activation_checkpoint.mode",
+                "full",
+                "--parallelism.expert_parallel_degree",
+                str(ep),
+            ]
+        )
         return dry_run(cfg, 8, 4096)
 
     out = report(4)
@@ -265,14 +329,27 @@ def test_the_training_module_dry_runs_gpt_oss_120b_without_building_it(tmp_path:
     120b at 4,096 tokens built and initialized 117 B real parameters (over 12 minutes and
     7.7 GB before it was stopped)."""
     argv = [
-        "--job.dry_run", "true", "--model.name", "gpt_oss", "--model.flavor", "120b",
-        "--model.vocab_size", "201088", "--training.seq_len", "4096",
-        "--job.dump_folder", str(tmp_path / "run"),
-    ]  # fmt: skip
+        "--job.dry_run",
+        "true",
+        "--model.name",
+        "gpt_oss",
+        "--model.flavor",
+        "120b",
+        "--model.vocab_size",
+        "201088",
+        "--training.seq_len",
+        "4096",
+        "--job.dump_folder",
+        str(tmp_path / "run"),
+    ]
     result = subprocess.run(
-        [sys.executable, "-m", "titanlite.train", *argv], cwd=REPO, env=subprocess_env(tmp_path),
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [sys.executable, "-m", "titanlite.train", *argv],
+        cwd=REPO,
+        env=subprocess_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "dry run: gpt_oss/120b on 1 ranks" in result.stdout, result.stdout
     total = int(_figure(r"parameters\s+([\d,]+)", result.stdout).replace(",", ""))

@@ -74,8 +74,17 @@ def trained(tmp_path_factory) -> dict:
     forward of the trained model (tests/train_scenarios.py)."""
     folder = tmp_path_factory.mktemp("harness")
     rows = write_task(folder, QUESTIONS)
-    argv = [*SMALL, "--eval.tasks", str(rows), "--job.dump_folder", str(folder / "run"),
-            "--checkpoint.enable", "true", "--checkpoint.interval", "2"]  # fmt: skip
+    argv = [
+        *SMALL,
+        "--eval.tasks",
+        str(rows),
+        "--job.dump_folder",
+        str(folder / "run"),
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "2",
+    ]
     run = get_pool(1).run(train_scenarios.train_then_score, argv=argv)[0]
     return {**run, "rows": rows, "checkpoint": folder / "run" / "checkpoint" / "step-2"}
 
@@ -97,15 +106,29 @@ def test_harness_scores_equal_titanlites(trained, tmp_path, scratch, capsys) -> 
     right choices' mean log-likelihood its ``ll``."""
     pytest.importorskip("lm_eval")
     out = tmp_path / "results.json"
-    argv = [str(trained["checkpoint"]), "--tasks", str(task_yaml(tmp_path, trained["rows"])),
-            "--output", str(out), "--log-samples", "--batch-size", "4", "--device", "cpu"]  # fmt: skip
+    argv = [
+        str(trained["checkpoint"]),
+        "--tasks",
+        str(task_yaml(tmp_path, trained["rows"])),
+        "--output",
+        str(out),
+        "--log-samples",
+        "--batch-size",
+        "4",
+        "--device",
+        "cpu",
+    ]
     assert eval_harness.main(argv) == 0
     results = json.loads(out.read_text())
     samples = sorted(results["samples"]["tiny_task"], key=lambda s: s["doc_id"])
     harness_ll = [[float(resp[0][0]) for resp in s["resps"]] for s in samples]
     direct = [[ll for ll, _ in choices] for choices in trained["direct"]["tiny_task"]]
     assert [len(q) for q in harness_ll] == [len(q["choices"]) for q in QUESTIONS]
-    difference = max(abs(h - d) for hs, ds in zip(harness_ll, direct, strict=True) for h, d in zip(hs, ds, strict=True))  # fmt: skip
+    difference = max(
+        abs(h - d)
+        for hs, ds in zip(harness_ll, direct, strict=True)
+        for h, d in zip(hs, ds, strict=True)
+    )
     with capsys.disabled():
         print(f"\nlargest log-likelihood difference: {difference:.2e}")
     assert difference < 1e-5
@@ -117,9 +140,12 @@ def test_harness_scores_equal_titanlites(trained, tmp_path, scratch, capsys) -> 
     assert sum(right) / len(right) == pytest.approx(record["eval_tiny_task_ll"], rel=1e-5)
 
     assert results["titanlite"] == {
-        "checkpoint": str(trained["checkpoint"].resolve()), "step": 2, "weights": "model",
-        "dtype": "float32", "device": "cpu",
-    }  # fmt: skip
+        "checkpoint": str(trained["checkpoint"].resolve()),
+        "step": 2,
+        "weights": "model",
+        "dtype": "float32",
+        "device": "cpu",
+    }
     shown = capsys.readouterr().out
     assert re.search(r"\|tiny_task\s*\|.*\|acc\s*\|", shown), shown
     assert list(scratch.glob("titanlite-harness-*")) == []  # the export is gone
@@ -153,8 +179,12 @@ def bad_task_files(folder: Path) -> dict[str, Path]:
     tasks.mkdir()
     (tasks / "ok.yaml").write_text("task: ok\n")
     (tasks / "bad.yaml").write_text("task: bad\n  indented: wrongly\n")
-    return {"broken": folder / "broken.yaml", "no_task": folder / "settings.yaml",
-            "folder": tasks, "missing": folder / "missing.yaml"}  # fmt: skip
+    return {
+        "broken": folder / "broken.yaml",
+        "no_task": folder / "settings.yaml",
+        "folder": tasks,
+        "missing": folder / "missing.yaml",
+    }
 
 
 @pytest.mark.parametrize(
@@ -225,10 +255,21 @@ def test_without_lm_eval_one_line_names_the_install_command(tmp_path) -> None:
     # The shim first; then this checkout's titanlite, whatever an installed one says.
     env = subprocess_env(tmp_path, PYTHONPATH=f"{shim.parent}:{REPO}")
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "eval_harness.py"), str(checkpoint), "--tasks", str(task)],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(REPO / "scripts" / "eval_harness.py"),
+            str(checkpoint),
+            "--tasks",
+            str(task),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert_one_line_error(
-        proc.returncode, proc.stdout, proc.stderr,
+        proc.returncode,
+        proc.stdout,
+        proc.stderr,
         "eval_harness: error: lm-eval is not installed: pip install 'lm-eval[hf]>=0.4.13'",
-    )  # fmt: skip
+    )

@@ -23,12 +23,20 @@ sys.path.insert(0, str(REPO / "scripts"))
 import make_eval_task  # noqa: E402
 
 QUESTIONS = [
-    {"context": "The United States of America", "choices": [" is a nation.", " blue fish"], "label": 0},
-    {"context": "We must work together", "choices": [" for peace", " of", " cat cat cat"], "label": 0},
+    {
+        "context": "The United States of America",
+        "choices": [" is a nation.", " blue fish"],
+        "label": 0,
+    },
+    {
+        "context": "We must work together",
+        "choices": [" for peace", " of", " cat cat cat"],
+        "label": 0,
+    },
     {"context": "Congress", "choices": [" shall", " banana"], "label": 1},
     {"context": "In this year", "choices": [" the economy grew", " grew economy the"], "label": 0},
     {"context": "My fellow", "choices": [" citizens", " apples", " the"], "label": 0},
-]  # fmt: skip
+]
 
 
 COMPLETIONS = [
@@ -80,10 +88,20 @@ def test_bad_eval_settings_are_refused_before_the_run_writes_anything(tmp_path, 
     (folder / "config.toml").write_text("the earlier run's\n")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"context": "a", "choices": [" b", " c"], "label": 5}\n')
-    rc = preflight.main([
-        "--eval.enable", "true", "--eval.tasks", f"sotu_word_order,{bad}",
-        "--eval.limit", "-1", "--eval.freq", "0", "--job.dump_folder", str(folder),
-    ])  # fmt: skip
+    rc = preflight.main(
+        [
+            "--eval.enable",
+            "true",
+            "--eval.tasks",
+            f"sotu_word_order,{bad}",
+            "--eval.limit",
+            "-1",
+            "--eval.freq",
+            "0",
+            "--job.dump_folder",
+            str(folder),
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err == [
         "titanlite: error: eval.freq: must be at least 1, got 0",
@@ -96,7 +114,9 @@ def test_bad_eval_settings_are_refused_before_the_run_writes_anything(tmp_path, 
 
 def test_a_completion_line_and_a_mixed_file(tmp_path) -> None:
     task = read_task(write_task(tmp_path, COMPLETIONS, "c"))
-    assert task.completion and task.questions[0] == Question("The United States", (" of America",), 0, True)  # fmt: skip
+    assert task.completion and task.questions[0] == Question(
+        "The United States", (" of America",), 0, True
+    )
     with pytest.raises(UserError, match="mixes multiple-choice and completion lines"):
         read_task(write_task(tmp_path, [QUESTIONS[0], COMPLETIONS[0]], "mixed"))
     with pytest.raises(UserError, match="target must be a non-empty string"):
@@ -128,12 +148,35 @@ def test_the_builtin_tasks_are_fixed_and_drawn_from_held_out_speeches(name) -> N
 
 
 SMALL = (
-    "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads",
-    "4", "--model.multiple_of", "32", "--training.seq_len", "64", "--training.steps", "2",
-    "--metrics.log_freq", "1", "--validation.enable", "false", "--checkpoint.enable", "false",
-    "--training.local_batch_size", "8", "--eval.enable", "true", "--eval.freq", "2",
-    "--eval.batch_size", "3",
-)  # fmt: skip
+    "--model.dim",
+    "64",
+    "--model.n_layers",
+    "2",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "4",
+    "--model.multiple_of",
+    "32",
+    "--training.seq_len",
+    "64",
+    "--training.steps",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--validation.enable",
+    "false",
+    "--checkpoint.enable",
+    "false",
+    "--training.local_batch_size",
+    "8",
+    "--eval.enable",
+    "true",
+    "--eval.freq",
+    "2",
+    "--eval.batch_size",
+    "3",
+)
 
 
 def eval_record(run: dict) -> dict:
@@ -146,8 +189,17 @@ def one_process(tmp_path_factory) -> tuple[dict, str]:
     """One process, 2 steps, its eval at step 2 and a checkpoint of that step."""
     folder = tmp_path_factory.mktemp("eval")
     tasks = f"{write_task(folder, QUESTIONS)},{write_task(folder, COMPLETIONS, 'tiny_completion')}"
-    argv = [*SMALL, "--eval.tasks", tasks, "--job.dump_folder", str(folder / "run"),
-            "--checkpoint.enable", "true", "--checkpoint.interval", "2"]  # fmt: skip
+    argv = [
+        *SMALL,
+        "--eval.tasks",
+        tasks,
+        "--job.dump_folder",
+        str(folder / "run"),
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "2",
+    ]
     run = get_pool(1).run(train_scenarios.train_then_score, argv=argv)[0]
     return {**run, "checkpoint": folder / "run" / "checkpoint" / "step-2"}, tasks
 
@@ -161,7 +213,9 @@ def test_scores_equal_a_direct_computation(one_process) -> None:
     direct = run["direct"]["tiny_task"]  # per question: each choice's (log-likelihood, greedy)
     right = [choices[q["label"]][0] for choices, q in zip(direct, QUESTIONS, strict=True)]
     assert record["eval_tiny_task_ll"] == pytest.approx(sum(right) / len(right), rel=1e-6)
-    task = Task("t", tuple(Question(q["context"], tuple(q["choices"]), q["label"]) for q in QUESTIONS))  # fmt: skip
+    task = Task(
+        "t", tuple(Question(q["context"], tuple(q["choices"]), q["label"]) for q in QUESTIONS)
+    )
     acc, acc_norm = accuracies(task, [ll for choices in direct for ll, _ in choices])
     assert (record["eval_tiny_task_acc"], record["eval_tiny_task_acc_norm"]) == (acc, acc_norm)
     completions = [c for (c,) in run["direct"]["tiny_completion"]]
@@ -174,13 +228,23 @@ def test_scores_equal_a_direct_computation(one_process) -> None:
 
 LAYOUTS = {
     # Tensor parallelism is the pipeline layout's; here the scoring batch split over dp ranks.
-    "dp_shard=2": (2, ["--parallelism.data_parallel_shard_degree", "2",
-                       "--training.local_batch_size", "4"]),
+    "dp_shard=2": (
+        2,
+        ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "4"],
+    ),
     "cp=2": (2, ["--parallelism.context_parallel_degree", "2"]),
-    "pp=2 x tp=2": (4, ["--parallelism.pipeline_parallel_degree", "2",
-                        "--parallelism.tensor_parallel_degree", "2",
-                        "--parallelism.pipeline_parallel_schedule", "GPipe"]),
-}  # fmt: skip
+    "pp=2 x tp=2": (
+        4,
+        [
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_schedule",
+            "GPipe",
+        ],
+    ),
+}
 
 
 @pytest.mark.slow
@@ -208,10 +272,13 @@ def test_scores_equal_transformers_on_the_exported_model(one_process, tmp_path) 
     right = [log_likelihood(q["context"], q["choices"][q["label"]]) for q in QUESTIONS]
     targets = [log_likelihood(c["context"], c["target"]) for c in COMPLETIONS]
     record = eval_record(run)
-    print("relative differences:", abs(record["eval_tiny_task_ll"] / (sum(right) / len(right)) - 1),
-          abs(record["eval_tiny_completion_ll"] / (sum(targets) / len(targets)) - 1))  # fmt: skip
+    print(
+        "relative differences:",
+        abs(record["eval_tiny_task_ll"] / (sum(right) / len(right)) - 1),
+        abs(record["eval_tiny_completion_ll"] / (sum(targets) / len(targets)) - 1),
+    )
     assert record["eval_tiny_task_ll"] == pytest.approx(sum(right) / len(right), rel=1e-5)
-    assert record["eval_tiny_completion_ll"] == pytest.approx(sum(targets) / len(targets), rel=1e-5)  # fmt: skip
+    assert record["eval_tiny_completion_ll"] == pytest.approx(sum(targets) / len(targets), rel=1e-5)
 
 
 MEASURED: dict[str, float] = {}
@@ -229,8 +296,14 @@ def test_the_same_scores_under_every_layout(layout, one_process, tmp_path) -> No
     MEASURED[layout] = difference / abs(expected["eval_tiny_task_ll"])
     (tmp_path.parent / "eval_parity.json").write_text(json.dumps(MEASURED))
     assert got["eval_tiny_task_ll"] == pytest.approx(expected["eval_tiny_task_ll"], rel=1e-5)
-    assert got["eval_tiny_completion_ll"] == pytest.approx(expected["eval_tiny_completion_ll"], rel=1e-5)  # fmt: skip
-    for key in ("eval_tiny_task_acc", "eval_tiny_task_acc_norm", "eval_tiny_completion_exact_match"):  # fmt: skip
+    assert got["eval_tiny_completion_ll"] == pytest.approx(
+        expected["eval_tiny_completion_ll"], rel=1e-5
+    )
+    for key in (
+        "eval_tiny_task_acc",
+        "eval_tiny_task_acc_norm",
+        "eval_tiny_completion_exact_match",
+    ):
         assert got[key] == expected[key], key
     assert torch.isfinite(torch.tensor(got["eval_tiny_task_ll"]))
 
@@ -238,28 +311,63 @@ def test_the_same_scores_under_every_layout(layout, one_process, tmp_path) -> No
 # --- scripts/make_eval_task.py ------------------------------------------------------------------
 
 RAW = {
-    "hellaswag": {"ctx_a": "A man is sitting on a roof.", "ctx_b": "he", "ctx": "",
-                  "endings": ["starts pulling up roofing.", "is holding a rubik's cube.",
-                              "is using wrap.", "is ripping level tiles off."], "label": "3"},
-    "arc": {"question": "Which gas do plants take in?",
-            "choices": {"text": ["oxygen", "carbon dioxide"], "label": ["A", "B"]},
-            "answerKey": "B"},
-    "piqa": {"goal": "Dry wet shoes", "sol1": "Fill them with newspaper.",
-             "sol2": "Fill them with water.", "label": 0},
-    "mmlu": {"question": "2 + 2 = ?", "choices": ["3", "4", "5", "6"], "answer": 1,
-             "subject": "math"},
-}  # fmt: skip
+    "hellaswag": {
+        "ctx_a": "A man is sitting on a roof.",
+        "ctx_b": "he",
+        "ctx": "",
+        "endings": [
+            "starts pulling up roofing.",
+            "is holding a rubik's cube.",
+            "is using wrap.",
+            "is ripping level tiles off.",
+        ],
+        "label": "3",
+    },
+    "arc": {
+        "question": "Which gas do plants take in?",
+        "choices": {"text": ["oxygen", "carbon dioxide"], "label": ["A", "B"]},
+        "answerKey": "B",
+    },
+    "piqa": {
+        "goal": "Dry wet shoes",
+        "sol1": "Fill them with newspaper.",
+        "sol2": "Fill them with water.",
+        "label": 0,
+    },
+    "mmlu": {
+        "question": "2 + 2 = ?",
+        "choices": ["3", "4", "5", "6"],
+        "answer": 1,
+        "subject": "math",
+    },
+}
 EXPECTED = {
-    "hellaswag": {"context": "A man is sitting on a roof. He",
-                  "choices": [" starts pulling up roofing.", " is holding a rubik's cube.",
-                              " is using wrap.", " is ripping level tiles off."], "label": 3},
-    "arc": {"context": "Question: Which gas do plants take in?\nAnswer:",
-            "choices": [" oxygen", " carbon dioxide"], "label": 1},
-    "piqa": {"context": "Question: Dry wet shoes\nAnswer:",
-             "choices": [" Fill them with newspaper.", " Fill them with water."], "label": 0},
-    "mmlu": {"context": "2 + 2 = ?\nA. 3\nB. 4\nC. 5\nD. 6\nAnswer:",
-             "choices": [" A", " B", " C", " D"], "label": 1},
-}  # fmt: skip
+    "hellaswag": {
+        "context": "A man is sitting on a roof. He",
+        "choices": [
+            " starts pulling up roofing.",
+            " is holding a rubik's cube.",
+            " is using wrap.",
+            " is ripping level tiles off.",
+        ],
+        "label": 3,
+    },
+    "arc": {
+        "context": "Question: Which gas do plants take in?\nAnswer:",
+        "choices": [" oxygen", " carbon dioxide"],
+        "label": 1,
+    },
+    "piqa": {
+        "context": "Question: Dry wet shoes\nAnswer:",
+        "choices": [" Fill them with newspaper.", " Fill them with water."],
+        "label": 0,
+    },
+    "mmlu": {
+        "context": "2 + 2 = ?\nA. 3\nB. 4\nC. 5\nD. 6\nAnswer:",
+        "choices": [" A", " B", " C", " D"],
+        "label": 1,
+    },
+}
 
 
 @pytest.mark.parametrize("fmt", list(RAW))

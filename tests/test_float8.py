@@ -22,10 +22,10 @@ from torchao.float8.float8_linear import Float8Linear
 
 from titanlite import converters, models
 from titanlite.checks import check
-from titanlite.compare import relative_difference
 from titanlite.config import ConfigError, load_config
 from titanlite.config.job_config import Float8
 from titanlite.converters import float8 as f8
+from titanlite.metrics.compare import relative_difference
 
 STEPS = 8
 # Float8 runs in different layouts cast the same values with the same scales; what can differ
@@ -33,20 +33,54 @@ STEPS = 8
 # with it, rarely, a value that rounds to the next float8 number: measured in docs/parity.md.
 F8_RTOL = 1e-3
 COMMON = (
-    "--training.seq_len", "64", "--training.steps", str(STEPS), "--metrics.log_freq", "1",
-    "--validation.enable", "false", "--checkpoint.enable", "false",
-)  # fmt: skip
+    "--training.seq_len",
+    "64",
+    "--training.steps",
+    str(STEPS),
+    "--metrics.log_freq",
+    "1",
+    "--validation.enable",
+    "false",
+    "--checkpoint.enable",
+    "false",
+)
 FLOAT8 = ("--model.converters", "float8", "--float8.auto_filter_small", "false")
 LLAMA = (
-    "--model.name", "llama3", "--model.dim", "64", "--model.n_layers", "2",
-    "--model.n_heads", "4", "--model.n_kv_heads", "4", "--model.multiple_of", "32",
-)  # fmt: skip
+    "--model.name",
+    "llama3",
+    "--model.dim",
+    "64",
+    "--model.n_layers",
+    "2",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "4",
+    "--model.multiple_of",
+    "32",
+)
 MOE = (
-    "--model.name", "qwen3_moe", "--model.flavor", "debugmodel", "--model.dim", "64",
-    "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "4",
-    "--model.head_dim", "16", "--model.num_experts", "4", "--model.top_k", "2",
-    "--model.moe_hidden_dim", "32",
-)  # fmt: skip
+    "--model.name",
+    "qwen3_moe",
+    "--model.flavor",
+    "debugmodel",
+    "--model.dim",
+    "64",
+    "--model.n_layers",
+    "2",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "4",
+    "--model.head_dim",
+    "16",
+    "--model.num_experts",
+    "4",
+    "--model.top_k",
+    "2",
+    "--model.moe_hidden_dim",
+    "32",
+)
 
 
 def settings(**changes: object) -> Float8:
@@ -135,7 +169,7 @@ def test_a_model_too_small_for_the_auto_filter_warns(caplog: pytest.LogCaptureFi
                 "true",
             ],
             "needs float8.enable_fsdp_float8_all_gather = true",
-        ),  # fmt: skip
+        ),
         (["--float8.experts", "true", "--float8.recipe", "tensorwise"], "rowwise recipe only"),
     ],
 )
@@ -192,12 +226,20 @@ def worst(a: dict, b: dict) -> dict[str, float]:
 def one_process(tmp_path_factory) -> dict[str, dict]:
     """One process per (model, recipe): float8 runs at global batch 8."""
     runs = {}
-    for key, model, recipe in (("llama", LLAMA, "rowwise"), ("moe", MOE, "rowwise"),
-                               ("llama tensorwise", LLAMA, "tensorwise")):  # fmt: skip
+    for key, model, recipe in (
+        ("llama", LLAMA, "rowwise"),
+        ("moe", MOE, "rowwise"),
+        ("llama tensorwise", LLAMA, "tensorwise"),
+    ):
         runs[key] = train(
-            tmp_path_factory, key.replace(" ", "_"), *model, "--float8.recipe", recipe,
-            "--training.local_batch_size", "8",
-        )  # fmt: skip
+            tmp_path_factory,
+            key.replace(" ", "_"),
+            *model,
+            "--float8.recipe",
+            recipe,
+            "--training.local_batch_size",
+            "8",
+        )
     return runs
 
 
@@ -212,9 +254,20 @@ def test_each_recipe_trains_within_3_percent_of_float32(tmp_path: Path) -> None:
     pool = get_pool(1)
     finals, firsts = {}, {}
     for recipe in ("float32", "rowwise", "tensorwise", "rowwise_with_gw_hp"):
-        argv = [*COMMON, *LLAMA, "--training.steps", str(NUMERICS_STEPS),
-                "--metrics.log_freq", "10", "--training.local_batch_size", "2",
-                "--lr_scheduler.warmup_steps", "10", "--job.dump_folder", str(tmp_path / recipe)]  # fmt: skip
+        argv = [
+            *COMMON,
+            *LLAMA,
+            "--training.steps",
+            str(NUMERICS_STEPS),
+            "--metrics.log_freq",
+            "10",
+            "--training.local_batch_size",
+            "2",
+            "--lr_scheduler.warmup_steps",
+            "10",
+            "--job.dump_folder",
+            str(tmp_path / recipe),
+        ]
         if recipe != "float32":
             argv += [*FLOAT8, "--float8.recipe", recipe]
         records = pool.run(train_scenarios.train, argv=argv)[0]["records"]
@@ -228,22 +281,59 @@ def test_each_recipe_trains_within_3_percent_of_float32(tmp_path: Path) -> None:
 
 
 LAYOUTS = {
-    "dp_shard=2 x tp=2": ("llama", 4, ["--parallelism.data_parallel_shard_degree", "2",
-                                       "--parallelism.tensor_parallel_degree", "2",
-                                       "--training.local_batch_size", "4"]),
-    "pp=2": ("llama", 2, ["--parallelism.pipeline_parallel_degree", "2",
-                          "--parallelism.pipeline_parallel_schedule", "1F1B",
-                          "--training.local_batch_size", "8"]),
-    "ep=2 x dp_shard=2": ("moe", 2, ["--parallelism.data_parallel_shard_degree", "2",
-                                     "--parallelism.expert_parallel_degree", "2",
-                                     "--training.local_batch_size", "4"]),
+    "dp_shard=2 x tp=2": (
+        "llama",
+        4,
+        [
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--training.local_batch_size",
+            "4",
+        ],
+    ),
+    "pp=2": (
+        "llama",
+        2,
+        [
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_schedule",
+            "1F1B",
+            "--training.local_batch_size",
+            "8",
+        ],
+    ),
+    "ep=2 x dp_shard=2": (
+        "moe",
+        2,
+        [
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+            "--parallelism.expert_parallel_degree",
+            "2",
+            "--training.local_batch_size",
+            "4",
+        ],
+    ),
     "tensorwise dp_shard=2, float8 all-gather": (
-        "llama tensorwise", 2, ["--parallelism.data_parallel_shard_degree", "2",
-                                "--float8.recipe", "tensorwise",
-                                "--float8.enable_fsdp_float8_all_gather", "true",
-                                "--float8.precompute_float8_dynamic_scale_for_fsdp", "true",
-                                "--training.local_batch_size", "4"]),
-}  # fmt: skip
+        "llama tensorwise",
+        2,
+        [
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+            "--float8.recipe",
+            "tensorwise",
+            "--float8.enable_fsdp_float8_all_gather",
+            "true",
+            "--float8.precompute_float8_dynamic_scale_for_fsdp",
+            "true",
+            "--training.local_batch_size",
+            "4",
+        ],
+    ),
+}
 MEASURED: dict[str, dict[str, float]] = {}
 SPLIT = "dp_shard=2 x tp=2"
 
@@ -277,9 +367,21 @@ def test_checkpoints_load_with_and_without_float8(tmp_path: Path) -> None:
     """A float8 run's checkpoint resumes without float8 and the other way round: the weights
     are saved in high precision under the same names."""
     pool = get_pool(1)
-    base = [*LLAMA, "--training.seq_len", "64", "--metrics.log_freq", "1",
-            "--validation.enable", "false", "--float8.auto_filter_small", "false",
-            "--checkpoint.interval", "2", "--training.local_batch_size", "2"]  # fmt: skip
+    base = [
+        *LLAMA,
+        "--training.seq_len",
+        "64",
+        "--metrics.log_freq",
+        "1",
+        "--validation.enable",
+        "false",
+        "--float8.auto_filter_small",
+        "false",
+        "--checkpoint.interval",
+        "2",
+        "--training.local_batch_size",
+        "2",
+    ]
     for first, second in (
         (["--model.converters", "float8"], []),
         ([], ["--model.converters", "float8"]),

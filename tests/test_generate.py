@@ -15,9 +15,9 @@ from torch import nn
 
 from titanlite.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
 from titanlite.errors import EXIT_USER_ERROR
-from titanlite.generate import generate, next_token
 from titanlite.models import get
 from titanlite.models.decoder import Decoder as Transformer
+from titanlite.models.generate import generate, next_token
 from titanlite.models.init import init_parameters
 from titanlite.models.llama.args import LlamaArgs as ModelArgs
 
@@ -157,7 +157,10 @@ def test_script_end_to_end(checkpoint: Path) -> None:
     argv = ["--prompt", "We the people", "--max-new-tokens", "6", "--temperature", "0.7"]
     proc = subprocess.run(
         [sys.executable, script, "--checkpoint", str(checkpoint), *argv],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("We the people") and len(proc.stdout) > len("We the people\n")

@@ -38,11 +38,21 @@ def test_published_parameter_counts(flavor: str, total: float, active: float) ->
 
 def tiny(**changes: object) -> GptOssArgs:
     base = {
-        "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 16,
-        "num_experts": 4, "top_k": 2, "moe_hidden_dim": 32, "sliding_window": 8,
-        "vocab_size": 4096, "max_seq_len": 64, "rope_original_max_seq_len": 16,
-        "rope_factor": 4.0, "aux_loss_coef": 0.0,
-    }  # fmt: skip
+        "dim": 64,
+        "n_layers": 2,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "head_dim": 16,
+        "num_experts": 4,
+        "top_k": 2,
+        "moe_hidden_dim": 32,
+        "sliding_window": 8,
+        "vocab_size": 4096,
+        "max_seq_len": 64,
+        "rope_original_max_seq_len": 16,
+        "rope_factor": 4.0,
+        "aux_loss_coef": 0.0,
+    }
     return GptOssArgs(**(base | changes))  # type: ignore[arg-type]
 
 
@@ -168,19 +178,64 @@ def test_mxfp4_experts_import_to_the_values_they_encode(tmp_path: Path, capsys) 
 # over 2 key/value heads, 4 biased experts of width 32 (top-2), the balancing loss on (under
 # TP and CP each rank routes its own tokens: the loss needs the whole sequence's counts).
 PARITY_ARGS = [
-    "--model.name", "gpt_oss", "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads",
-    "4", "--model.n_kv_heads", "2", "--model.head_dim", "16", "--model.num_experts", "4",
-    "--model.top_k", "2", "--model.moe_hidden_dim", "32", "--model.sliding_window", "8",
-    "--model.aux_loss_coef", "0.01", "--training.seq_len", "32", "--training.steps", "8",
-    "--metrics.log_freq", "1", "--validation.enable", "false", "--checkpoint.enable", "false",
-]  # fmt: skip
+    "--model.name",
+    "gpt_oss",
+    "--model.dim",
+    "64",
+    "--model.n_layers",
+    "2",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "2",
+    "--model.head_dim",
+    "16",
+    "--model.num_experts",
+    "4",
+    "--model.top_k",
+    "2",
+    "--model.moe_hidden_dim",
+    "32",
+    "--model.sliding_window",
+    "8",
+    "--model.aux_loss_coef",
+    "0.01",
+    "--training.seq_len",
+    "32",
+    "--training.steps",
+    "8",
+    "--metrics.log_freq",
+    "1",
+    "--validation.enable",
+    "false",
+    "--checkpoint.enable",
+    "false",
+]
 PARITY_LAYOUTS = {  # name: (ranks, local batch of the global 4, mesh degrees, extra options)
-    "dp_shard2_tp2": (4, 2, {"dp_shard": 2, "tp": 2}, ("--parallelism.tensor_parallel_degree", "2")),
-    "ep2_cp2": (4, 2, {"dp_shard": 2, "cp": 2}, ("--parallelism.expert_parallel_degree", "2",
-                                                 "--parallelism.context_parallel_degree", "2")),
-    "pp2": (2, 4, {"pp": 2}, ("--parallelism.pipeline_parallel_degree", "2",
-                              "--parallelism.pipeline_parallel_microbatch_size", "1")),
-}  # fmt: skip
+    "dp_shard2_tp2": (
+        4,
+        2,
+        {"dp_shard": 2, "tp": 2},
+        ("--parallelism.tensor_parallel_degree", "2"),
+    ),
+    "ep2_cp2": (
+        4,
+        2,
+        {"dp_shard": 2, "cp": 2},
+        ("--parallelism.expert_parallel_degree", "2", "--parallelism.context_parallel_degree", "2"),
+    ),
+    "pp2": (
+        2,
+        4,
+        {"pp": 2},
+        (
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_microbatch_size",
+            "1",
+        ),
+    ),
+}
 
 
 @pytest.mark.slow
@@ -194,11 +249,17 @@ def test_parallel_layouts_train_like_one_process(tmp_path: Path) -> None:
     import train_scenarios
     from pool import get_pool
 
-    from titanlite.compare import relative_difference
+    from titanlite.metrics.compare import relative_difference
 
     def train(name: str, world: int, local_batch: int, *extra: str) -> dict:
-        argv = [*PARITY_ARGS, "--training.local_batch_size", str(local_batch),
-                "--job.dump_folder", str(tmp_path / name), *extra]  # fmt: skip
+        argv = [
+            *PARITY_ARGS,
+            "--training.local_batch_size",
+            str(local_batch),
+            "--job.dump_folder",
+            str(tmp_path / name),
+            *extra,
+        ]
         pool = get_pool(world)
         run = pool.run(train_scenarios.train, argv=argv)[0]
         assert [r["step"] for r in run["records"]] == list(range(1, 9)), name

@@ -65,9 +65,14 @@ TEXT = "Mr. Speaker, Mr. Vice President: in 1863 the Union stood divided. Café,
 
 def tiny_args(**changes: object) -> ModelArgs:
     base: dict = dict(
-        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=4096, multiple_of=32,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=4096,
+        multiple_of=32,
         max_seq_len=128,
-    )  # fmt: skip
+    )
     return ModelArgs(**(base | changes))
 
 
@@ -396,8 +401,11 @@ def test_scripts_exit_2_without_traceback(tmp_path: Path) -> None:
     for (script, *argv), message in cases:
         proc = subprocess.run(
             [sys.executable, str(REPO / "scripts" / script), *argv],
-            capture_output=True, text=True, env=env, timeout=300,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
         assert proc.returncode == EXIT_USER_ERROR, proc.stderr
         assert proc.stderr.startswith("error:") and proc.stderr.count("\n") == 1, proc.stderr
         assert message in proc.stderr and proc.stdout == ""

@@ -211,7 +211,7 @@ CONFIG_CASES = {
             "<mask>",
             "<|image|>",
             "<|im_end|>",
-        ],  # fmt: skip
+        ],
         ("<|begin_of_text|>", "<|end_of_text|>", "<|pad|>", "<|unk|>"),
         "the state of the<|tool|> union.",  # <|tool|> is a token, but not a special one
     ),
@@ -327,10 +327,21 @@ def test_train_resume_under_another_layout_and_export(bpe: Path, tmp_path: Path)
     from pool import get_pool
 
     common = [
-        "--model.tokenizer_path", str(bpe), "--model.n_layers", "2", "--training.steps", "6",
-        "--training.seq_len", "32", "--checkpoint.interval", "3", "--metrics.log_freq", "1",
-        "--validation.enable", "false",
-    ]  # fmt: skip
+        "--model.tokenizer_path",
+        str(bpe),
+        "--model.n_layers",
+        "2",
+        "--training.steps",
+        "6",
+        "--training.seq_len",
+        "32",
+        "--checkpoint.interval",
+        "3",
+        "--metrics.log_freq",
+        "1",
+        "--validation.enable",
+        "false",
+    ]
 
     def losses(run: dict) -> dict[int, float]:
         return {r["step"]: r["loss"] for r in run["records"] if "loss" in r}

@@ -132,8 +132,17 @@ def test_decay_rules_draw_per_head_values_in_the_published_ranges() -> None:
     torch.testing.assert_close(dt.log(), log_dt, rtol=0, atol=1e-6)
     assert dt.min() >= 0.001 * (1 - 1e-6) and dt.max() <= 0.1 * (1 + 1e-6)
     assert abs(dt.log().mean() - math.log(0.01)) < 0.1  # the middle of the log range
-    shards = [block((1024,), (i * 1024,), (heads,), rule=InitRule.softplus_inverse(0.001, 0.1),
-                    seed=5, name="a.dt_bias") for i in range(4)]  # fmt: skip
+    shards = [
+        block(
+            (1024,),
+            (i * 1024,),
+            (heads,),
+            rule=InitRule.softplus_inverse(0.001, 0.1),
+            seed=5,
+            name="a.dt_bias",
+        )
+        for i in range(4)
+    ]
     assert torch.equal(torch.cat(shards), dt_bias)
 
 

@@ -25,23 +25,35 @@ import train_scenarios
 from conftest import REPO, slow_steps, subprocess_env
 from pool import get_pool
 
-from titanlite import pids, run_lock
 from titanlite.checkpoint import integrity
 from titanlite.checkpoint.folders import read_sidecar
 from titanlite.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR
-from titanlite.metrics_file import read_metrics
+from titanlite.metrics.jsonl import read_metrics
+from titanlite.runtime import pids, run_lock
 
 pytestmark = pytest.mark.slow
 
 CONFIG = str(REPO / "train_configs" / "debug_model.toml")
 STEPS = 16  # a Ctrl-C after step 3 lands mid-run (with slow_steps, however late it comes)
 SMALL = [
-    "--checkpoint.interval", "4", "--metrics.log_freq", "1", "--validation.enable", "false",
-    "--training.local_batch_size", "2", "--training.seq_len", "64", "--model.n_layers", "2",
-]  # fmt: skip
+    "--checkpoint.interval",
+    "4",
+    "--metrics.log_freq",
+    "1",
+    "--validation.enable",
+    "false",
+    "--training.local_batch_size",
+    "2",
+    "--training.seq_len",
+    "64",
+    "--model.n_layers",
+    "2",
+]
 # SIGINT's default action back, then the launcher (a terminal's shell starts commands so).
-AS_A_TERMINAL = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); " \
-    "os.execv(sys.argv[1], sys.argv[1:])"  # fmt: skip
+AS_A_TERMINAL = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.argv[1], sys.argv[1:])"
+)
 # Every save but TEST_FAST_SAVE's takes 30 s per shard file (the sleep before each is opened).
 SLOW_SAVES = """
 import io, os, time
@@ -60,13 +72,28 @@ class Launch:
     def __init__(self, out: Path, ngpu: int, *args: str, steps: int = STEPS, **env: str):
         out.parent.mkdir(parents=True, exist_ok=True)
         self.log = out.parent / f"{out.name}-{time.monotonic_ns()}.log"
-        cmd = [sys.executable, "-c", AS_A_TERMINAL, str(REPO / "run_train.sh"), CONFIG, *SMALL,
-               "--training.steps", str(steps), "--job.dump_folder", str(out), *args]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-c",
+            AS_A_TERMINAL,
+            str(REPO / "run_train.sh"),
+            CONFIG,
+            *SMALL,
+            "--training.steps",
+            str(steps),
+            "--job.dump_folder",
+            str(out),
+            *args,
+        ]
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
-                cmd, cwd=REPO, env=subprocess_env(out.parent, NGPU=str(ngpu), **env),
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
+                cmd,
+                cwd=REPO,
+                env=subprocess_env(out.parent, NGPU=str(ngpu), **env),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.out = out
 
     def ctrl_c(self) -> None:
@@ -150,8 +177,16 @@ def losses(out: Path) -> dict[int, float]:
 def pool_run(world: int, out: Path, *args: str, steps: int = STEPS) -> str:
     """`python -m titanlite.train` with the launch's arguments on ``world`` pool ranks: rank
     0's output (it must exit 0)."""
-    argv = ["--job.config_file", CONFIG, *SMALL, "--training.steps", str(steps),
-            "--job.dump_folder", str(out), *args]  # fmt: skip
+    argv = [
+        "--job.config_file",
+        CONFIG,
+        *SMALL,
+        "--training.steps",
+        str(steps),
+        "--job.dump_folder",
+        str(out),
+        *args,
+    ]
     pool = get_pool(world)
     statuses = pool.run(train_scenarios.main, argv=argv, timeout=300)
     assert statuses == [0] * world, pool.last_output[0][-3000:]
@@ -341,12 +376,12 @@ def test_ctrl_c_before_the_trainer_can_handle_it_is_the_start_up_line(tmp_path):
     """One process, Ctrl-C while the trainer still imports what it needs to install its
     handlers (an import held 3 s): the start-up line (without a step: a resumed run's is not
     known yet) and exit 130, no traceback."""
-    job, _ = ctrl_c_in_a_held_import(tmp_path, "titanlite.train", "titanlite.run_lock")
+    job, _ = ctrl_c_in_a_held_import(tmp_path, "titanlite.train", "titanlite.runtime.run_lock")
     assert "Traceback" not in job.output() and "KeyboardInterrupt" not in job.output()
     assert job.output().strip().splitlines()[-1] == (
         "titanlite: interrupted (Ctrl-C) during start-up; nothing new to save; run the same "
         "command to resume"
-    )  # fmt: skip
+    )
     assert_nothing_left(job)
 
 
@@ -370,7 +405,7 @@ def test_ctrl_c_while_the_launcher_checks_its_python_stops_there(tmp_path):
     job, holding = ctrl_c_in_a_held_import(tmp_path, "sentencepiece", "torch", TITANLITE_PYTHON="")
     assert job.output().strip().splitlines() == [
         "titanlite: interrupted (Ctrl-C) before the run started; nothing ran"
-    ]  # fmt: skip
+    ]
     assert holding.read_text() == "held\n"  # one check, then nothing
     assert_nothing_left(job)
     assert not job.out.exists()
@@ -392,8 +427,10 @@ def test_ctrl_c_during_start_up_exits_130_without_a_save(tmp_path, ngpu):
     assert job.wait() == EXIT_INTERRUPTED, job.output()
     print(f"start-up Ctrl-C: exit 130 {time.monotonic() - started:.1f} s later")
     last = job.output().strip().splitlines()[-1]
-    assert last == ("titanlite: interrupted (Ctrl-C) during start-up, before step 1; nothing "
-                    "new to save; run the same command to resume"), job.output()  # fmt: skip
+    assert last == (
+        "titanlite: interrupted (Ctrl-C) during start-up, before step 1; nothing "
+        "new to save; run the same command to resume"
+    ), job.output()
     assert "KeyboardInterrupt" not in job.output()
     assert_nothing_left(job)
     assert not logged_steps(out) and not list((out / "checkpoint").glob("step-*"))
@@ -433,9 +470,12 @@ def test_a_second_ctrl_c_during_the_save_stops_at_once(tmp_path, ngpu):
     assert status == (-signal.SIGINT if ngpu == 1 else EXIT_INTERRUPTED), job.output()
     assert exit_s < 15, f"took {exit_s:.1f} s to stop"  # a save would take 30 s or more
     if ngpu == 2:
-        assert job.output().strip().splitlines()[-1].startswith(
-            "titanlite: stopped at once on the second Ctrl-C, nothing saved"
-        )  # fmt: skip
+        assert (
+            job.output()
+            .strip()
+            .splitlines()[-1]
+            .startswith("titanlite: stopped at once on the second Ctrl-C, nothing saved")
+        )
     assert_nothing_left(job)
     after = {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in step4.iterdir()}
     assert after == before

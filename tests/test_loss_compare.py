@@ -18,9 +18,7 @@ LOSSES = [8.8, 8.5, 8.1, 7.6, 7.2]
 GRAD_NORMS = [0.9, 0.8, 0.7, 0.75, 0.6]
 
 
-def write_run(
-    folder: Path, losses: list[float] = LOSSES, steps: list[int] | None = None
-) -> Path:  # fmt: skip
+def write_run(folder: Path, losses: list[float] = LOSSES, steps: list[int] | None = None) -> Path:
     """A run folder whose metrics.jsonl has training records plus one validation record."""
     folder.mkdir(parents=True)
     steps = steps or list(range(1, len(losses) + 1))

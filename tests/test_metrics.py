@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from titanlite import metrics
-from titanlite.metrics import (
+from titanlite.metrics import loggers as metrics
+from titanlite.metrics.loggers import (
     MetricsLogger,
     format_duration,
     measure_matmul_flops,
     peak_flops,
     wandb_mode,
 )
-from titanlite.run_info import StepLogger, Throughput
+from titanlite.metrics.run_info import StepLogger, Throughput
 
 
 @pytest.mark.parametrize(

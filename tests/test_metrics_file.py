@@ -1,4 +1,4 @@
-"""titanlite.metrics_file: a resumed run's metrics.jsonl read as the run that continued."""
+"""titanlite.metrics.jsonl: a resumed run's metrics.jsonl read as the run that continued."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from titanlite.metrics_file import MetricsFileError, find_metrics_file, read_metrics
+from titanlite.metrics.jsonl import MetricsFileError, find_metrics_file, read_metrics
 
 
 def write(path: Path, records: list[dict | str]) -> Path:
@@ -31,8 +31,13 @@ def test_resume_drops_undone_steps_of_every_kind_and_the_latest_record_wins(
     records.append("")  # blank lines are nothing
     found = read_metrics(write(tmp_path / "metrics.jsonl", records))
     assert {s: r["loss"] for s, r in found.train.items()} == {
-        1: 9.0, 2: 8.0, 3: 7.0, 4: 6.0, 5: 0.5, 6: 0.25,
-    }  # fmt: skip
+        1: 9.0,
+        2: 8.0,
+        3: 7.0,
+        4: 6.0,
+        5: 0.5,
+        6: 0.25,
+    }
     assert {s: r["val_loss"] for s, r in found.validation.items()} == {6: 0.5}
     assert list(found.kind("resume")) == [4]
     assert found.kind("startup") == {} and found.malformed == []
@@ -67,7 +72,7 @@ def test_a_run_is_its_folder_or_its_file_and_bad_ones_are_one_line(tmp_path: Pat
 
 def test_importing_the_helpers_does_not_import_torch() -> None:
     """The scripts that read metrics and the launcher's preflight start without torch."""
-    code = "import sys, titanlite.files, titanlite.metrics_file; print('torch' in sys.modules)"
+    code = "import sys, titanlite.files, titanlite.metrics.jsonl; print('torch' in sys.modules)"
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60
     )

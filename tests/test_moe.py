@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from checkpoints import write_checkpoint
 
+from titanlite.metrics.moe_tracker import MoETracker
 from titanlite.models import get
 from titanlite.models.decoder import Decoder
 from titanlite.models.init import init_parameters
@@ -22,7 +23,6 @@ from titanlite.models.layers import count_params
 from titanlite.models.moe import MoE, grouped_mm
 from titanlite.models.moe.experts import _padded_bmm
 from titanlite.models.qwen3_moe.args import FLAVORS, Qwen3MoeArgs
-from titanlite.moe_tracker import MoETracker
 
 REPO = Path(__file__).resolve().parent.parent
 SPEC = get("qwen3_moe")
@@ -31,9 +31,18 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def moe_args(**changes: object) -> Qwen3MoeArgs:
     base: dict = dict(
-        dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, num_experts=6, top_k=2,
-        moe_hidden_dim=16, vocab_size=512, max_seq_len=64, tie_embeddings=False,
-    )  # fmt: skip
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=8,
+        num_experts=6,
+        top_k=2,
+        moe_hidden_dim=16,
+        vocab_size=512,
+        max_seq_len=64,
+        tie_embeddings=False,
+    )
     return Qwen3MoeArgs(**(base | changes))
 
 
@@ -58,8 +67,9 @@ def reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     size = moe.num_experts // moe.n_groups
     for t in range(flat.shape[0]):
         choice = scores[t] + moe.expert_bias
-        ratings = [sorted(choice[g * size : (g + 1) * size].tolist())[-2:] for g in
-                   range(moe.n_groups)]  # fmt: skip
+        ratings = [
+            sorted(choice[g * size : (g + 1) * size].tolist())[-2:] for g in range(moe.n_groups)
+        ]
         groups = sorted(range(moe.n_groups), key=lambda g: -sum(ratings[g]))[: moe.topk_groups]
         allowed = [e for e in range(moe.num_experts) if e // size in groups]
         top = torch.tensor(allowed)[torch.topk(choice[allowed], moe.top_k).indices]
@@ -320,18 +330,38 @@ def test_export_to_transformers_gives_equal_logits_and_imports_back(tmp_path: Pa
 
 # --------------------------------------------------------------------------- training
 MOE_ARGS = [
-    "--model.name", "qwen3_moe", "--model.n_layers", "2", "--training.steps", "8",
-    "--training.seq_len", "32", "--metrics.log_freq", "1", "--validation.enable", "false",
-    "--checkpoint.interval", "4", "--model.aux_loss_coef", "0.01",
-    "--model.bias_update_rate", "0.001",
-]  # fmt: skip
+    "--model.name",
+    "qwen3_moe",
+    "--model.n_layers",
+    "2",
+    "--training.steps",
+    "8",
+    "--training.seq_len",
+    "32",
+    "--metrics.log_freq",
+    "1",
+    "--validation.enable",
+    "false",
+    "--checkpoint.interval",
+    "4",
+    "--model.aux_loss_coef",
+    "0.01",
+    "--model.bias_update_rate",
+    "0.001",
+]
 
 
 def train(world: int, out: Path, local_batch: int, *args: str) -> dict:
     from train_scenarios import on_pool
 
-    argv = [*MOE_ARGS, "--training.local_batch_size", str(local_batch),
-            "--job.dump_folder", str(out), *args]  # fmt: skip
+    argv = [
+        *MOE_ARGS,
+        "--training.local_batch_size",
+        str(local_batch),
+        "--job.dump_folder",
+        str(out),
+        *args,
+    ]
     return on_pool(world, argv)
 
 
@@ -382,8 +412,9 @@ def test_data_parallel_layouts_match_one_process_and_resume_across_them(
     print(f"moe parity, worst relative loss difference: {worst}")
     assert all(v <= 1e-5 for v in worst.values()), worst
     resumed_dir = tmp_path / "resumed"
-    shutil.copytree(tmp_path / "fsdp" / "checkpoint" / "step-4",
-                    resumed_dir / "checkpoint" / "step-4")  # fmt: skip
+    shutil.copytree(
+        tmp_path / "fsdp" / "checkpoint" / "step-4", resumed_dir / "checkpoint" / "step-4"
+    )
     resumed = losses(train(1, resumed_dir, 4))
     gap = max(abs(resumed[s] - base[s]) / base[s] for s in range(5, 9))
     print(f"moe resume 2 ranks -> 1: worst relative difference {gap:.3g}")
@@ -394,10 +425,20 @@ def test_context_parallelism_is_a_valid_moe_layout_and_a_bad_top_k_is_an_error()
     from titanlite.checks import check
     from titanlite.config import load_config
 
-    cfg = load_config(["--model.name", "qwen3_moe", "--parallelism.context_parallel_degree",
-                       "2", "--parallelism.data_parallel_shard_degree", "2",
-                       "--parallelism.expert_parallel_degree", "2",
-                       "--model.n_layers", "2"])  # fmt: skip
+    cfg = load_config(
+        [
+            "--model.name",
+            "qwen3_moe",
+            "--parallelism.context_parallel_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+            "--parallelism.expert_parallel_degree",
+            "2",
+            "--model.n_layers",
+            "2",
+        ]
+    )
     assert check(cfg, 4) is not None
     with pytest.raises(ValueError, match="top_k 9 exceeds num_experts 8"):
         SPEC.make_args("debugmodel", 4096, 64, {"top_k": 9})
@@ -431,12 +472,12 @@ def test_expert_parallel_layouts_match_one_process_and_resume_across_degrees(
     base_norm = {r["step"]: r["grad_norm"] for r in one["records"] if "grad_norm" in r}
     worst = {}
     tp2 = ("--parallelism.tensor_parallel_degree", "2")
-    layouts = (("ep2", 2, 2, ()), ("ep4", 4, 4, ()), ("ep2_dp2", 4, 2, ()),
-               ("ep2_tp2", 4, 2, tp2))  # fmt: skip
+    layouts = (("ep2", 2, 2, ()), ("ep4", 4, 4, ()), ("ep2_dp2", 4, 2, ()), ("ep2_tp2", 4, 2, tp2))
     for name, world, ep, extra in layouts:
         dp = world // (2 if extra else 1)
-        run = train(world, tmp_path / name, 4 // dp, "--parallelism.expert_parallel_degree",
-                    str(ep), *extra)  # fmt: skip
+        run = train(
+            world, tmp_path / name, 4 // dp, "--parallelism.expert_parallel_degree", str(ep), *extra
+        )
         worst[name] = max(abs(losses(run)[s] - base[s]) / base[s] for s in base)
         # Adam hides a wrong gradient scale from the loss; the gradient norm does not.
         norms = {r["step"]: r["grad_norm"] for r in run["records"] if "grad_norm" in r}
@@ -449,8 +490,9 @@ def test_expert_parallel_layouts_match_one_process_and_resume_across_degrees(
     for name, source, world, ep in (("ep2->1", tmp_path / "ep2", 1, 1), ("1->ep4", one_dir, 4, 4)):
         folder = tmp_path / f"resume_{world}"
         shutil.copytree(source / "checkpoint" / "step-4", folder / "checkpoint" / "step-4")
-        run = losses(train(world, folder, 4 // world, "--parallelism.expert_parallel_degree",
-                           str(ep)))  # fmt: skip
+        run = losses(
+            train(world, folder, 4 // world, "--parallelism.expert_parallel_degree", str(ep))
+        )
         assert sorted(run) == list(range(5, 9)), run
         gaps[name] = max(abs(run[s] - base[s]) / base[s] for s in range(5, 9))
     print(f"expert parallelism resume, worst relative difference: {gaps}")
@@ -470,8 +512,16 @@ def test_impossible_expert_parallel_layouts_are_one_line_errors() -> None:
         ("llama3", "2", 2): "parallelism.expert_parallel_degree 2: llama3 has no experts",
     }
     for (name, ep, world), expected in cases.items():
-        cfg = load_config(["--model.name", name, "--parallelism.expert_parallel_degree", ep,
-                           "--model.n_layers", "2"])  # fmt: skip
+        cfg = load_config(
+            [
+                "--model.name",
+                name,
+                "--parallelism.expert_parallel_degree",
+                ep,
+                "--model.n_layers",
+                "2",
+            ]
+        )
         with pytest.raises(UserError) as info:
             check(cfg, world)
         assert expected in str(info.value), str(info.value)

@@ -16,9 +16,9 @@ from pool import get_pool
 from torch import nn
 
 from titanlite import models
-from titanlite.compare import relative_difference
 from titanlite.config import ConfigError, load_config
 from titanlite.errors import UserError
+from titanlite.metrics.compare import relative_difference
 from titanlite.optim import build_optimizer, resolve_groups
 from titanlite.optim.muon import Muon, NewtonSchulz
 from titanlite.optim.orthogonalize import Orthogonalizer
@@ -62,10 +62,12 @@ def test_step_equals_the_published_algorithm_in_float64(adjustment: str) -> None
     lr, decay, momentum = 0.02, 0.1, 0.95
     optimizer = Muon(
         [{"params": params, "lr": lr, "weight_decay": decay, "optimizer": "muon"}],
-        momentum=momentum, nesterov=True, lr_adjustment=adjustment,
+        momentum=momentum,
+        nesterov=True,
+        lr_adjustment=adjustment,
         orthogonalize=Orthogonalizer(NewtonSchulz(dtype=torch.float64)),
         adamw={"lr": lr, "foreach": False},
-    )  # fmt: skip
+    )
     # The reference works on [out, in] matrices: an expert stack's are its transposes.
     ref = [w.clone() if w.ndim == 2 else w.transpose(1, 2).clone() for w in weights]
     bufs = [torch.zeros_like(w) for w in ref]
@@ -111,12 +113,17 @@ def test_adamw_groups_step_exactly_as_torch_adamw() -> None:
     theirs = [nn.Parameter(t.clone()) for t in (vector, matrix)]
     adamw = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "fused": True}
     optimizer = Muon(
-        [{"params": ours[:1], "lr": 1e-2, "weight_decay": 0.0, "optimizer": "adamw"},
-         {"params": ours[1:2], "lr": 1e-2, "weight_decay": 0.1, "optimizer": "adamw"},
-         {"params": ours[2:], "lr": 1e-2, "weight_decay": 0.1, "optimizer": "muon"}],
-        momentum=0.95, nesterov=True, lr_adjustment="match_rms_adamw",
-        orthogonalize=Orthogonalizer(NewtonSchulz()), adamw=adamw,
-    )  # fmt: skip
+        [
+            {"params": ours[:1], "lr": 1e-2, "weight_decay": 0.0, "optimizer": "adamw"},
+            {"params": ours[1:2], "lr": 1e-2, "weight_decay": 0.1, "optimizer": "adamw"},
+            {"params": ours[2:], "lr": 1e-2, "weight_decay": 0.1, "optimizer": "muon"},
+        ],
+        momentum=0.95,
+        nesterov=True,
+        lr_adjustment="match_rms_adamw",
+        orthogonalize=Orthogonalizer(NewtonSchulz()),
+        adamw=adamw,
+    )
     reference = torch.optim.AdamW(
         [{"params": theirs[:1], "weight_decay": 0.0}, {"params": theirs[1:], "weight_decay": 0.1}],
         **adamw,
@@ -151,12 +158,23 @@ def test_default_rules_give_hidden_matrices_to_muon_and_the_rest_to_adamw() -> N
     assert named == {
         ("adamw", "adamw", 0.01, 0.1): ["tok_embeddings.weight", "output.weight"],
         ("adamw_no_decay", "adamw", 0.01, 0.0): [
-            "layers.0.attention_norm.weight", "layers.0.ffn_norm.weight", "norm.weight"],
+            "layers.0.attention_norm.weight",
+            "layers.0.ffn_norm.weight",
+            "norm.weight",
+        ],
         ("muon", "muon", 0.01, 0.1): [
-            f"layers.0.{m}.weight" for m in ("attention.wq", "attention.wk", "attention.wv",
-                                             "attention.wo", "feed_forward.w1",
-                                             "feed_forward.w2", "feed_forward.w3")],
-    }  # fmt: skip
+            f"layers.0.{m}.weight"
+            for m in (
+                "attention.wq",
+                "attention.wk",
+                "attention.wv",
+                "attention.wo",
+                "feed_forward.w1",
+                "feed_forward.w2",
+                "feed_forward.w3",
+            )
+        ],
+    }
     moe = models.get("qwen3_moe")
     with torch.device("meta"):
         model = moe.build(moe.make_args("debugmodel", 128, 32, {"n_layers": 1}))
@@ -235,11 +253,16 @@ def test_a_torchtitan_toml_with_another_optimizer_still_blocks_naming_both() -> 
 def test_each_layout_orthogonalizes_whole_matrices_once_per_holder() -> None:
     results = get_pool(4).run(muon_scenarios.orthogonalizes_whole_matrices_once)
     assert results[0]["plans"] == {
-        "fsdp rows": "sharded", "fsdp uneven rows": "sharded", "tp columns": "sharded",
-        "hsdp": "sharded", "fsdp x tp": "gathered", "two splits of rows": "gathered",
+        "fsdp rows": "sharded",
+        "fsdp uneven rows": "sharded",
+        "tp columns": "sharded",
+        "hsdp": "sharded",
+        "fsdp x tp": "gathered",
+        "two splits of rows": "gathered",
         "fsdp x tp, strided rows": "gathered",
-        "experts by expert": "local", "experts by rows": "sharded",
-    }  # fmt: skip
+        "experts by expert": "local",
+        "experts by rows": "sharded",
+    }
     # Largest first, each to the least loaded holder (lowest on a tie), per set of ranks: the
     # row-split experts (7488 FLOPs an iteration) to rank 0 of each row of the 2 x 2 mesh and
     # hsdp (1872) to rank 1 of each; over all 4 ranks (sharded and gathered share them) tp
@@ -251,38 +274,103 @@ def test_each_layout_orthogonalizes_whole_matrices_once_per_holder() -> None:
 
 STEPS = 8
 LLAMA = (
-    "--model.name", "llama3", "--model.dim", "64", "--model.n_layers", "2",
-    "--model.n_heads", "4", "--model.n_kv_heads", "4", "--model.multiple_of", "32",
-)  # fmt: skip
+    "--model.name",
+    "llama3",
+    "--model.dim",
+    "64",
+    "--model.n_layers",
+    "2",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "4",
+    "--model.multiple_of",
+    "32",
+)
 MOE = (
-    "--model.name", "qwen3_moe", "--model.dim", "64", "--model.n_layers", "2",
-    "--model.n_heads", "4", "--model.n_kv_heads", "2", "--model.head_dim", "16",
-    "--model.moe_hidden_dim", "32",
-)  # fmt: skip
+    "--model.name",
+    "qwen3_moe",
+    "--model.dim",
+    "64",
+    "--model.n_layers",
+    "2",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "2",
+    "--model.head_dim",
+    "16",
+    "--model.moe_hidden_dim",
+    "32",
+)
 COMMON = (
-    "--training.seq_len", "32", "--training.steps", str(STEPS), "--metrics.log_freq", "1",
-    "--validation.enable", "false", "--checkpoint.enable", "false",
-    "--optimizer.name", "muon", "--optimizer.lr", "0.01", "--lr_scheduler.warmup_steps", "2",
-)  # fmt: skip
+    "--training.seq_len",
+    "32",
+    "--training.steps",
+    str(STEPS),
+    "--metrics.log_freq",
+    "1",
+    "--validation.enable",
+    "false",
+    "--checkpoint.enable",
+    "false",
+    "--optimizer.name",
+    "muon",
+    "--optimizer.lr",
+    "0.01",
+    "--lr_scheduler.warmup_steps",
+    "2",
+)
 FSDP4 = ["--parallelism.data_parallel_shard_degree", "4", "--training.local_batch_size", "2"]
 LAYOUTS = {
-    "dp_shard2_tp2": (4, ["--parallelism.data_parallel_shard_degree", "2",
-                          "--parallelism.tensor_parallel_degree", "2",
-                          "--training.local_batch_size", "4"]),
-    "ddp2": (2, ["--parallelism.data_parallel_replicate_degree", "2",
-                 "--parallelism.data_parallel_shard_degree", "1",
-                 "--training.local_batch_size", "4"]),
-    "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2",
-                "--training.local_batch_size", "8"]),
-    "hsdp2x2": (4, ["--parallelism.data_parallel_replicate_degree", "2",
-                    "--parallelism.data_parallel_shard_degree", "2",
-                    "--training.local_batch_size", "2"]),
+    "dp_shard2_tp2": (
+        4,
+        [
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--training.local_batch_size",
+            "4",
+        ],
+    ),
+    "ddp2": (
+        2,
+        [
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+            "--training.local_batch_size",
+            "4",
+        ],
+    ),
+    "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "8"]),
+    "hsdp2x2": (
+        4,
+        [
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+            "--training.local_batch_size",
+            "2",
+        ],
+    ),
     "tp2": (2, ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8"]),
     "cp2": (2, ["--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "8"]),
-    "pp2_dp_shard2": (4, ["--parallelism.pipeline_parallel_degree", "2",
-                          "--parallelism.data_parallel_shard_degree", "2",
-                          "--training.local_batch_size", "4"]),
-}  # fmt: skip
+    "pp2_dp_shard2": (
+        4,
+        [
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+            "--training.local_batch_size",
+            "4",
+        ],
+    ),
+}
 # Muon normalizes each update, so the loss is less forgiving of a wrong gradient than Adam's;
 # the gradient norm (before clipping) catches a wrong scale directly.
 RTOL = 1e-5
@@ -368,11 +456,14 @@ def test_fsdp4_matches_one_process_and_its_checkpoint_resumes_in_one(
     owned = "14 matrices (14 sharded); this rank orthogonalizes 3"
     assert any(owned in line for line in log), [line for line in log if "muon:" in line]
     resumed = {}
-    for name, extra in (("all", ()), ("no optimizer", ("--checkpoint.exclude_from_loading",
-                                                        "optimizer"))):  # fmt: skip
+    for name, extra in (
+        ("all", ()),
+        ("no optimizer", ("--checkpoint.exclude_from_loading", "optimizer")),
+    ):
         folder = tmp_path / name.replace(" ", "_")
-        shutil.copytree(tmp_path / "fsdp4" / "checkpoint" / "step-4",
-                        folder / "checkpoint" / "step-4")  # fmt: skip
+        shutil.copytree(
+            tmp_path / "fsdp4" / "checkpoint" / "step-4", folder / "checkpoint" / "step-4"
+        )
         curves, _ = train(folder, 1, "--training.local_batch_size", "8", *saving, *extra)
         assert curves["step"] == [5, 6, 7, 8]
         resumed[name] = worst(one_process, curves, [5, 6, 7, 8])
@@ -390,9 +481,14 @@ def test_experts_split_over_ep2_x_dp_shard2_match_one_process(tmp_path: Path) ->
     stays with AdamW."""
     one, _ = train(tmp_path / "one", 1, "--training.local_batch_size", "8", model=MOE)
     curves, log = train(
-        tmp_path / "ep2", 4, "--training.local_batch_size", "2",
-        "--parallelism.expert_parallel_degree", "2", model=MOE,
-    )  # fmt: skip
+        tmp_path / "ep2",
+        4,
+        "--training.local_batch_size",
+        "2",
+        "--parallelism.expert_parallel_degree",
+        "2",
+        model=MOE,
+    )
     measured = worst(one, curves, list(range(1, STEPS + 1)))
     print(f"muon ep2 x dp_shard2 (qwen3_moe): worst relative difference {measured}")
     assert all(v <= RTOL for v in measured.values()), measured

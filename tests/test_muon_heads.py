@@ -83,16 +83,25 @@ def test_qk_clip_equals_a_plain_reference_in_float64(kv_heads: int) -> None:
     assert all(layer.core.max_logits is None for layer in layers)
 
     def reference_maxima() -> torch.Tensor:
-        return torch.stack([
-            reference_logits(layer, inputs[layer.layer_id], model.rope, documents)
-            .amax(dim=(0, 2, 3)) for layer in layers
-        ])  # fmt: skip
+        return torch.stack(
+            [
+                reference_logits(layer, inputs[layer.layer_id], model.rope, documents).amax(
+                    dim=(0, 2, 3)
+                )
+                for layer in layers
+            ]
+        )
 
     before = reference_maxima()
     threshold = before.flatten().sort().values[3:5].mean().item()  # about half the heads clip
-    cfg = load_config([
-        "--optimizer.name", "muon", "--muon.qk_clip_threshold", str(threshold),
-    ])  # fmt: skip
+    cfg = load_config(
+        [
+            "--optimizer.name",
+            "muon",
+            "--muon.qk_clip_threshold",
+            str(threshold),
+        ]
+    )
     optimizer, _ = build_optimizer(model, cfg.optimizer, torch.device("cpu"), muon=cfg.muon)
     for group in optimizer.param_groups:  # no update: the clip is the only change
         group["lr"] = 0.0
@@ -221,28 +230,42 @@ def test_head_blocks_step_matches_the_reference_with_a_blocks_lr_scale() -> None
 
 def test_muon_head_settings_errors_are_one_line() -> None:
     for args, line in [
-        (["--muon.block", "heads"], "--muon.block: 'heads' is not one of 'full', 'head' (did you "
-                                    "mean 'head'?)"),
-        (["--optimizer.name", "muon", "--muon.qk_clip_threshold", "0"],
-         "muon.qk_clip_threshold: must be > 0 (unset: off), got 0.0"),
-        (["--muon.qk_clip_threshold", "50"],
-         'muon.qk_clip_threshold: QK-clip runs in Muon\'s step; set optimizer.name = "Muon" '
-         "(got 'AdamW') or leave the threshold unset"),
-    ]:  # fmt: skip
+        (
+            ["--muon.block", "heads"],
+            "--muon.block: 'heads' is not one of 'full', 'head' (did you mean 'head'?)",
+        ),
+        (
+            ["--optimizer.name", "muon", "--muon.qk_clip_threshold", "0"],
+            "muon.qk_clip_threshold: must be > 0 (unset: off), got 0.0",
+        ),
+        (
+            ["--muon.qk_clip_threshold", "50"],
+            'muon.qk_clip_threshold: QK-clip runs in Muon\'s step; set optimizer.name = "Muon" '
+            "(got 'AdamW') or leave the threshold unset",
+        ),
+    ]:
         with pytest.raises(ConfigError) as info:
             load_config(args)
         assert str(info.value).splitlines() == [line]
-    cfg = load_config([
-        "--optimizer.name", "muon", "--muon.qk_clip_threshold", "50", "--model.name", "qwen3",
-    ])  # fmt: skip
+    cfg = load_config(
+        [
+            "--optimizer.name",
+            "muon",
+            "--muon.qk_clip_threshold",
+            "50",
+            "--model.name",
+            "qwen3",
+        ]
+    )
     with pytest.raises(ConfigError) as info:
         check(cfg, 1)
     assert str(info.value).splitlines() == [
         "muon.qk_clip_threshold: qwen3 normalizes each head's queries and keys (qk-norm), which "
         "undoes QK-clip's scaling of wq and wk; leave it unset"
     ]
-    cfg = load_config(["--optimizer.name", "muon", "--muon.block", "head", "--model.name",
-                       "deepseek_v3"])  # fmt: skip
+    cfg = load_config(
+        ["--optimizer.name", "muon", "--muon.block", "head", "--model.name", "deepseek_v3"]
+    )
     with pytest.raises(ConfigError) as info:
         check(cfg, 1)
     assert str(info.value).splitlines() == [
@@ -260,28 +283,49 @@ def test_muon_head_settings_errors_are_one_line() -> None:
 def test_head_blocks_move_less_and_match_each_heads_result_on_every_layout() -> None:
     results = get_pool(4).run(muon_scenarios.orthogonalizes_head_blocks)
     assert results[0] == {
-        "tp rows": "local", "fsdp whole heads": "local", "fsdp split heads": "sharded",
-        "fsdp x tp rows": "local", "fsdp x tp split heads": "sharded",
-        "fsdp x tp columns": "sharded", "fsdp x tp rows, 3 per tp rank": "gathered",
-    }  # fmt: skip
+        "tp rows": "local",
+        "fsdp whole heads": "local",
+        "fsdp split heads": "sharded",
+        "fsdp x tp rows": "local",
+        "fsdp x tp split heads": "sharded",
+        "fsdp x tp columns": "sharded",
+        "fsdp x tp rows, 3 per tp rank": "gathered",
+    }
 
 
 HEAD_LLAMA = (
-    "--model.name", "llama3", "--model.dim", "64", "--model.n_layers", "2",
-    "--model.n_heads", "4", "--model.n_kv_heads", "2", "--model.multiple_of", "32",
-)  # fmt: skip
+    "--model.name",
+    "llama3",
+    "--model.dim",
+    "64",
+    "--model.n_layers",
+    "2",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "2",
+    "--model.multiple_of",
+    "32",
+)
 # The one-process run's largest logits are 0.118 to 0.139 (a fresh tiny model): at 0.125
 # the clip fires on 4 of the 8 steps, 1 to 3 of the 8 heads each. Its effect on the loss is
 # small there; qk_max_logit (compared too) moves by 3% on the step after a clip.
 HEADS_ON = ("--muon.block", "head", "--muon.qk_clip_threshold", "0.125")
 HEAD_LAYOUTS = {
-    "dp_shard2_tp2": (4, ["--parallelism.data_parallel_shard_degree", "2",
-                          "--parallelism.tensor_parallel_degree", "2",
-                          "--training.local_batch_size", "4"]),
-    "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2",
-                "--training.local_batch_size", "8"]),
+    "dp_shard2_tp2": (
+        4,
+        [
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--training.local_batch_size",
+            "4",
+        ],
+    ),
+    "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "8"]),
     "cp2": (2, ["--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "8"]),
-}  # fmt: skip
+}
 
 
 def curves_with_clip(folder: Path, world: int, *args: str) -> tuple[dict, list[str]]:

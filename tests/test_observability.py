@@ -16,7 +16,7 @@ import torch
 from conftest import REPO, read_metrics, run_train, subprocess_env
 
 from titanlite.config import ConfigError, load_config
-from titanlite.profiling import Profiler
+from titanlite.metrics.profiling import Profiler
 
 
 def _profile(tmp_path: Path, first_step: int, last_step: int, *args: str) -> list[str]:
@@ -88,9 +88,14 @@ def test_preflight_checks_without_importing_torch(tmp_path: Path) -> None:
         "print(status, 'torch' in sys.modules)\n"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, env=subprocess_env(tmp_path),
-        capture_output=True, text=True, timeout=120, check=True,
-    )  # fmt: skip
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=subprocess_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     assert out.stdout.split() == ["0", "False"], out.stdout + out.stderr
 
 
@@ -98,9 +103,13 @@ def test_gpu_check_without_a_gpu_says_so(tmp_path: Path) -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: scripts/gpu_check.sh would run the benchmark")
     result = subprocess.run(
-        [str(REPO / "scripts" / "gpu_check.sh")], cwd=REPO, env=subprocess_env(tmp_path),
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [str(REPO / "scripts" / "gpu_check.sh")],
+        cwd=REPO,
+        env=subprocess_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "gpu_check: no CUDA GPU is visible (torch.cuda.is_available() is False); "
@@ -114,13 +123,28 @@ def test_run_writes_traces_tensorboard_and_startup(tmp_path: Path) -> None:
 
     out = tmp_path / "run"
     result = run_train(
-        tmp_path, "--job.dump_folder", str(out), "--training.steps", "6",
-        "--training.seq_len", "64", "--training.local_batch_size", "2",
-        "--metrics.log_freq", "1", "--checkpoint.enable", "false",
-        "--validation.freq", "3", "--validation.steps", "1",
-        "--profiling.enable_profiling", "--profiling.profile_freq", "3",
+        tmp_path,
+        "--job.dump_folder",
+        str(out),
+        "--training.steps",
+        "6",
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "2",
+        "--metrics.log_freq",
+        "1",
+        "--checkpoint.enable",
+        "false",
+        "--validation.freq",
+        "3",
+        "--validation.steps",
+        "1",
+        "--profiling.enable_profiling",
+        "--profiling.profile_freq",
+        "3",
         "--metrics.enable_tensorboard",
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     train, val = read_metrics(out)
 
@@ -160,12 +184,36 @@ def test_bench_script_compares_with_the_reference(tmp_path: Path) -> None:
     (alone; more beside the other tests' processes)."""
     out = tmp_path / "bench.json"
     result = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "bench.py"), "--flavors", "debugmodel",
-         "--cases", "1p-eager-fp32", "--steps", "3", "--warmup", "1", "--seq-len", "32",
-         "--bf16-flavors", "--sections", "throughput", "data", "--data-seconds", "0.5",
-         "--cores", "1", "--json", str(out)],
-        cwd=REPO, env=subprocess_env(tmp_path), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(REPO / "scripts" / "bench.py"),
+            "--flavors",
+            "debugmodel",
+            "--cases",
+            "1p-eager-fp32",
+            "--steps",
+            "3",
+            "--warmup",
+            "1",
+            "--seq-len",
+            "32",
+            "--bf16-flavors",
+            "--sections",
+            "throughput",
+            "data",
+            "--data-seconds",
+            "0.5",
+            "--cores",
+            "1",
+            "--json",
+            str(out),
+        ],
+        cwd=REPO,
+        env=subprocess_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["peaks"]["float32"] > 1e8

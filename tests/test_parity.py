@@ -23,7 +23,7 @@ import pytest
 import train_scenarios
 from pool import get_pool
 
-from titanlite.compare import relative_difference
+from titanlite.metrics.compare import relative_difference
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("eight_rank_pool_stops_with_the_module")]
 
@@ -40,22 +40,53 @@ RTOL = 1e-6
 # catch real bugs (a wrong loss scale or a dropped micro-batch is off by > 1e-2).
 BF16_RTOL = {"loss": 5e-3, "grad_norm": 5e-2}
 COMMON = (
-    "--training.seq_len", "64", "--training.steps", str(STEPS), "--metrics.log_freq", "1",
-    "--validation.enable", "false", "--checkpoint.enable", "false",
-)  # fmt: skip
+    "--training.seq_len",
+    "64",
+    "--training.steps",
+    str(STEPS),
+    "--metrics.log_freq",
+    "1",
+    "--validation.enable",
+    "false",
+    "--checkpoint.enable",
+    "false",
+)
 # Heads divisible by 4 so that the same model (and baseline) serves tp=4.
 FAMILIES = {
     "llama3": (
-        "--model.name", "llama3", "--model.dim", "64", "--model.n_layers", "2",
-        "--model.n_heads", "4", "--model.n_kv_heads", "4", "--model.multiple_of", "32",
+        "--model.name",
+        "llama3",
+        "--model.dim",
+        "64",
+        "--model.n_layers",
+        "2",
+        "--model.n_heads",
+        "4",
+        "--model.n_kv_heads",
+        "4",
+        "--model.multiple_of",
+        "32",
     ),
     # Its own head size (4 x 24 != dim 64), q/k norms and tied embeddings.
     "qwen3": (
-        "--model.name", "qwen3", "--model.flavor", "debugmodel", "--model.dim", "64",
-        "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "4",
-        "--model.head_dim", "24", "--model.hidden_dim", "96",
+        "--model.name",
+        "qwen3",
+        "--model.flavor",
+        "debugmodel",
+        "--model.dim",
+        "64",
+        "--model.n_layers",
+        "2",
+        "--model.n_heads",
+        "4",
+        "--model.n_kv_heads",
+        "4",
+        "--model.head_dim",
+        "24",
+        "--model.hidden_dim",
+        "96",
     ),
-}  # fmt: skip
+}
 
 Curves = dict[str, list[float]]
 
@@ -79,20 +110,28 @@ class Layout:
     @property
     def name(self) -> str:
         degrees = {
-            "dp_replicate": self.replicate, "dp_shard": self.shard, "cp": self.cp, "tp": self.tp
-        }  # fmt: skip
+            "dp_replicate": self.replicate,
+            "dp_shard": self.shard,
+            "cp": self.cp,
+            "tp": self.tp,
+        }
         parts = [f"{dim}={degree}" for dim, degree in degrees.items() if degree > 1]
         return " x ".join(parts) or "1 process"
 
     def args(self) -> list[str]:
         local_batch = GLOBAL_BATCH // (self.replicate * self.shard)
         return [
-            "--parallelism.data_parallel_replicate_degree", str(self.replicate),
-            "--parallelism.data_parallel_shard_degree", str(self.shard),
-            "--parallelism.tensor_parallel_degree", str(self.tp),
-            "--parallelism.context_parallel_degree", str(self.cp),
-            "--training.local_batch_size", str(local_batch),
-        ]  # fmt: skip
+            "--parallelism.data_parallel_replicate_degree",
+            str(self.replicate),
+            "--parallelism.data_parallel_shard_degree",
+            str(self.shard),
+            "--parallelism.tensor_parallel_degree",
+            str(self.tp),
+            "--parallelism.context_parallel_degree",
+            str(self.cp),
+            "--training.local_batch_size",
+            str(local_batch),
+        ]
 
 
 LAYOUTS = [
@@ -204,19 +243,24 @@ def baseline(baselines: dict[str, Curves]) -> Curves:
 # dimensions, which Llama's runs check.
 QWEN3_LAYOUTS = {Layout(replicate=2, shard=2), Layout(tp=4), Layout(shard=2, tp=2)}
 FAMILY_LAYOUTS = [
-    (layout, family) for layout in LAYOUTS for family in FAMILIES
+    (layout, family)
+    for layout in LAYOUTS
+    for family in FAMILIES
     if family == "llama3" or layout in QWEN3_LAYOUTS
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(
-    ("layout", "family"), FAMILY_LAYOUTS,
+    ("layout", "family"),
+    FAMILY_LAYOUTS,
     ids=[f"{lay.name.replace(' ', '')}-{fam}" for lay, fam in FAMILY_LAYOUTS],
-)  # fmt: skip
+)
 def test_layout_matches_one_process(
-    layout: Layout, family: str, baselines: dict[str, Curves],
+    layout: Layout,
+    family: str,
+    baselines: dict[str, Curves],
     tmp_path_factory: pytest.TempPathFactory,
-) -> None:  # fmt: skip
+) -> None:
     check_layout(layout, family, baselines, tmp_path_factory)
 
 
@@ -226,24 +270,31 @@ def test_layout_matches_one_process(
     ids=[f"{f}-{lay.name.replace(' ', '')}" for f, lay in CP_LAYOUTS],
 )
 def test_context_parallel_layout_matches_one_process(
-    family: str, layout: Layout, baselines: dict[str, Curves],
+    family: str,
+    layout: Layout,
+    baselines: dict[str, Curves],
     tmp_path_factory: pytest.TempPathFactory,
-) -> None:  # fmt: skip
+) -> None:
     output = check_layout(layout, family, baselines, tmp_path_factory)
     assert f"keys and values all-gathered over cp={layout.cp}" in output
 
 
 def check_layout(
-    layout: Layout, family: str, baselines: dict[str, Curves],
+    layout: Layout,
+    family: str,
+    baselines: dict[str, Curves],
     tmp_path_factory: pytest.TempPathFactory,
-) -> str:  # fmt: skip
+) -> str:
     """Train ``layout`` and assert its degrees, global batch and parity; rank 0's log."""
     name = f"{family} {layout.name}"
     run = train(tmp_path_factory, name, family, *layout.args(), ngpu=layout.ngpu)
     expected = {
-        "pp": 1, "dp_replicate": layout.replicate, "dp_shard": layout.shard, "cp": layout.cp,
+        "pp": 1,
+        "dp_replicate": layout.replicate,
+        "dp_shard": layout.shard,
+        "cp": layout.cp,
         "tp": layout.tp,
-    }  # fmt: skip
+    }
     assert run.info["parallel_degrees"] == expected
     assert run.info["global_batch_size"] == GLOBAL_BATCH
     assert_parity(name, baselines[family], run.curves)
@@ -263,11 +314,16 @@ def test_gradient_accumulation_matches_one_batch(
     dp = layout.replicate * layout.shard
     local = GLOBAL_BATCH // (2 * dp)
     run = train(
-        tmp_path_factory, name, "llama3", *layout.args(),
-        "--training.local_batch_size", str(local),
-        "--training.global_batch_size", str(GLOBAL_BATCH),
+        tmp_path_factory,
+        name,
+        "llama3",
+        *layout.args(),
+        "--training.local_batch_size",
+        str(local),
+        "--training.global_batch_size",
+        str(GLOBAL_BATCH),
         ngpu=layout.ngpu,
-    )  # fmt: skip
+    )
     assert run.info["gradient_accumulation_steps"] == 2
     assert_parity(name, baseline, run.curves)
 
@@ -281,14 +337,22 @@ def test_gradient_accumulation_matches_one_batch(
     ids=["full", "selective_op"],
 )
 def test_activation_checkpointing_matches_no_checkpointing(
-    mode: str, option: str, applied: str, baseline: Curves,
+    mode: str,
+    option: str,
+    applied: str,
+    baseline: Curves,
     tmp_path_factory: pytest.TempPathFactory,
-) -> None:  # fmt: skip
+) -> None:
     name = f"activation checkpointing {mode}" + (f" ({option})" if mode == "selective" else "")
     run = train(
-        tmp_path_factory, name, "llama3",
-        "--activation_checkpoint.mode", mode, "--activation_checkpoint.selective_ac_option", option,
-    )  # fmt: skip
+        tmp_path_factory,
+        name,
+        "llama3",
+        "--activation_checkpoint.mode",
+        mode,
+        "--activation_checkpoint.selective_ac_option",
+        option,
+    )
     assert applied in run.output  # otherwise this compares the baseline with itself
     assert_parity(name, baseline, run.curves)
 
@@ -307,10 +371,14 @@ def test_bf16_fsdp_stays_close_to_fp32(
     name = "bf16 dp_shard=2"
     layout = Layout(shard=2)
     run = train(
-        tmp_path_factory, name, "llama3", *layout.args(),
-        "--training.mixed_precision_param", "bfloat16",
+        tmp_path_factory,
+        name,
+        "llama3",
+        *layout.args(),
+        "--training.mixed_precision_param",
+        "bfloat16",
         ngpu=layout.ngpu,
-    )  # fmt: skip
+    )
     assert run.info["train_dtype"] == "bfloat16"
     worst = max_relative_differences(name, baseline, run.curves)
     assert all(worst[m] <= BF16_RTOL[m] for m in METRICS), (worst, BF16_RTOL)
@@ -323,17 +391,26 @@ def test_bf16_fsdp_stays_close_to_fp32(
 # cp 2) with sinks (split with the heads under TP) and document masking, against its own
 # one-process baseline.
 ATTENTION_VARIANTS = (
-    "--model.sliding_window", "24", "--model.window_pattern", "LG",
-    "--model.attention_sinks", "true", "--training.document_mask", "true",
-)  # fmt: skip
+    "--model.sliding_window",
+    "24",
+    "--model.window_pattern",
+    "LG",
+    "--model.attention_sinks",
+    "true",
+    "--training.document_mask",
+    "true",
+)
 
 
 @pytest.fixture(scope="module")
 def variants_baseline(tmp_path_factory: pytest.TempPathFactory) -> Curves:
     run = train(
-        tmp_path_factory, "baseline llama3 window+sinks", "llama3", *ATTENTION_VARIANTS,
+        tmp_path_factory,
+        "baseline llama3 window+sinks",
+        "llama3",
+        *ATTENTION_VARIANTS,
         *Layout().args(),
-    )  # fmt: skip
+    )
     assert "2 of 2 layers (1 with a sliding window of 24, 1 full, with sinks) run" in run.output
     assert len(set(run.curves["loss"])) == STEPS
     return run.curves

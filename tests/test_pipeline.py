@@ -47,8 +47,9 @@ def test_looped_and_v_schedules_place_two_stages_per_rank() -> None:
 
 
 def test_layers_per_stage_and_lighter_first_and_last_stages() -> None:
-    plan = plan_of(2, "LoopedBFS", 10, layers_per_stage=3, first_stage_less_layers=1,
-                   last_stage_less_layers=1)  # fmt: skip
+    plan = plan_of(
+        2, "LoopedBFS", 10, layers_per_stage=3, first_stage_less_layers=1, last_stage_less_layers=1
+    )
     assert [len(b) for b in plan.stage_blocks] == [2, 3, 3, 2]
     assert sum(plan.stage_blocks, ()) == tuple(range(10))
     uneven = plan_of(2, "GPipe", 7)
@@ -101,14 +102,30 @@ def test_launcher_reports_every_pipeline_problem(
 STEPS = 8
 RTOL = 1e-5
 COMMON = [
-    "--training.steps", str(STEPS), "--training.seq_len", "64", "--metrics.log_freq", "1",
-    "--validation.enable", "true", "--validation.freq", str(STEPS), "--validation.steps", "2",
-    "--checkpoint.interval", "4",
+    "--training.steps",
+    str(STEPS),
+    "--training.seq_len",
+    "64",
+    "--metrics.log_freq",
+    "1",
+    "--validation.enable",
+    "true",
+    "--validation.freq",
+    str(STEPS),
+    "--validation.steps",
+    "2",
+    "--checkpoint.interval",
+    "4",
     # The debug model narrowed to width 64 (4 heads, 2 KV heads: tp 2 still splits both): the
     # schedules, stage splits and micro-batches are what these tests check, and at the debug
     # width of 256 a pp=2 run took 2.1 s instead of 1.3 s.
-    "--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",
-]  # fmt: skip
+    "--model.dim",
+    "64",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "2",
+]
 
 
 def run(world: int, out: Path, *args: str) -> dict:
@@ -145,8 +162,11 @@ def baselines(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[Path,
     return result
 
 
-_DEGREES = {"replicate": "data_parallel_replicate", "shard": "data_parallel_shard",
-            "tp": "tensor_parallel"}  # fmt: skip
+_DEGREES = {
+    "replicate": "data_parallel_replicate",
+    "shard": "data_parallel_shard",
+    "tp": "tensor_parallel",
+}
 
 
 def layout(
@@ -169,10 +189,21 @@ def layout(
 # reordering of the two copies' gradient sum to 2e-5; at 5e-4 it trains smoothly (within 1e-6
 # at width 64, pp 2 x tp 2 included; 1e-7 at the debug width).
 TIED = [
-    "--model.name", "qwen3", "--model.tie_embeddings", "true", "--optimizer.lr", "5e-4",
-]  # fmt: skip
-SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
-             "ZBVZeroBubble"]  # fmt: skip
+    "--model.name",
+    "qwen3",
+    "--model.tie_embeddings",
+    "true",
+    "--optimizer.lr",
+    "5e-4",
+]
+SCHEDULES = [
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+]
 
 
 @pytest.fixture(scope="module")
@@ -205,9 +236,13 @@ def test_two_stages_per_rank_at_pp4_match_one_process(
 
 LAYOUTS = {
     "pp2_dp_shard2": ["--parallelism.data_parallel_shard_degree", "2"],
-    "pp2_tp2": ["--parallelism.tensor_parallel_degree", "2",
-                "--parallelism.data_parallel_shard_degree", "1"],
-}  # fmt: skip
+    "pp2_tp2": [
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+    ],
+}
 
 
 @pytest.mark.slow
@@ -297,8 +332,14 @@ def test_tied_embeddings_across_ranks_and_their_checkpoints(
     pp 2 x tp 2."""
     base_run, base = baselines["tied"]
     args = ["--model.n_layers", "4", "--training.local_batch_size", "4", *TIED]
-    pp2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.tensor_parallel_degree",
-           "2", "--parallelism.data_parallel_shard_degree", "1"]  # fmt: skip
+    pp2 = [
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+    ]
     fresh = tmp_path / "pp2"
     assert_close(run(4, fresh, *args, *pp2), base)
     one = tmp_path / "one"

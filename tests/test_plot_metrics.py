@@ -19,11 +19,18 @@ import plot_metrics  # noqa: E402
 def train(step: int, loss: float) -> dict:
     """A training record as titanlite logs it."""
     return {
-        "step": step, "loss": loss, "grad_norm": 0.5, "lr": 1e-3 * min(1.0, step / 5),
-        "tps": 1000.0 + 10 * step, "mfu_pct": 12.5 + step / 100, "mem_peak_gib": 1.5,
-        "model_state_gib": 0.2, "tokens_seen": 4096 * step, "data_wait_pct": 0.3,
+        "step": step,
+        "loss": loss,
+        "grad_norm": 0.5,
+        "lr": 1e-3 * min(1.0, step / 5),
+        "tps": 1000.0 + 10 * step,
+        "mfu_pct": 12.5 + step / 100,
+        "mem_peak_gib": 1.5,
+        "model_state_gib": 0.2,
+        "tokens_seen": 4096 * step,
+        "data_wait_pct": 0.3,
         "time": 1.7e9 + step,
-    }  # fmt: skip
+    }
 
 
 def write_run(folder: Path, records: list[dict | str]) -> Path:

@@ -23,9 +23,22 @@ from titanlite.models.decoder_spec import AttentionVariants
 from titanlite.models.interfaces import AttentionCore
 from titanlite.optim import build_optimizer, resolve_groups
 
-SMALL = ["--training.steps", "3", "--model.n_layers", "2", "--training.seq_len", "64",
-         "--training.local_batch_size", "2", "--validation.enable", "false",
-         "--checkpoint.enable", "false", "--metrics.log_freq", "1"]  # fmt: skip
+SMALL = [
+    "--training.steps",
+    "3",
+    "--model.n_layers",
+    "2",
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--validation.enable",
+    "false",
+    "--checkpoint.enable",
+    "false",
+    "--metrics.log_freq",
+    "1",
+]
 
 
 # --- attention ----------------------------------------------------------------------------------
@@ -69,8 +82,13 @@ def test_the_causal_core_matches_sdpa_with_and_without_documents() -> None:
 
 @pytest.mark.slow
 def test_context_parallelism_reads_the_cores_mask(tmp_path: Path) -> None:
-    argv = [*SMALL, "--parallelism.context_parallel_degree", "2",
-            "--job.dump_folder", str(tmp_path / "run")]  # fmt: skip
+    argv = [
+        *SMALL,
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--job.dump_folder",
+        str(tmp_path / "run"),
+    ]
     results = get_pool(2).run(plugin_scenarios.context_parallel_reads_the_mask, argv=argv)
     assert all("context parallelism takes causal attention only" in r for r in results)
     assert all("causal=False" in r for r in results)
@@ -119,8 +137,10 @@ def test_param_group_rules_from_toml_resolve_first_match_wins(tmp_path: Path) ->
         ("rule 2", ["proj.weight"]),
     ]
     assert [(g["lr"], g["weight_decay"]) for g in optimizer.param_groups] == [
-        (0.005, 0.1), (0.01, 0.0), (0.01, 0.1),
-    ]  # fmt: skip
+        (0.005, 0.1),
+        (0.01, 0.0),
+        (0.01, 0.1),
+    ]
     # The same rules on the command line (a TOML inline array), and back through to_toml.
     inline = (
         '[{params = "tok_embeddings.*, output.*", lr_scale = 0.5, name = "embeddings"}, '
@@ -134,16 +154,19 @@ def test_the_default_rules_are_adamws_decay_on_matrices() -> None:
     cfg = load_config([])
     groups = resolve_groups(Tiny(), cfg.optimizer)
     assert [(g.name, g.weight_decay, len(g.params)) for g in groups] == [
-        ("decay", 0.1, 3), ("no_decay", 0.0, 3),
-    ]  # fmt: skip
+        ("decay", 0.1, 3),
+        ("no_decay", 0.0, 3),
+    ]
 
 
 def test_param_group_mistakes_are_one_line_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as e:
-        load_config([
-            "--optimizer.param_groups",
-            '[{params = "*", optimizer = "adamx", lr_scale = 0}, {nme = "x"}]',
-        ])  # fmt: skip
+        load_config(
+            [
+                "--optimizer.param_groups",
+                '[{params = "*", optimizer = "adamx", lr_scale = 0}, {nme = "x"}]',
+            ]
+        )
     assert "unknown key in --optimizer.param_groups[1]: 'nme' (did you mean 'name'?)" in str(
         e.value
     )

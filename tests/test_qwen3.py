@@ -33,9 +33,16 @@ pytestmark = [
 
 def tiny_args(**changes: object) -> Qwen3Args:
     base: dict = dict(
-        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=24, hidden_dim=96,
-        vocab_size=4096, max_seq_len=128, tie_embeddings=True,
-    )  # fmt: skip
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=24,
+        hidden_dim=96,
+        vocab_size=4096,
+        max_seq_len=128,
+        tie_embeddings=True,
+    )
     return Qwen3Args(**(base | changes))
 
 
@@ -154,10 +161,21 @@ def test_trained_checkpoint_exports_to_transformers(tmp_path: Path) -> None:
 
     run = tmp_path / "run"
     argv = [
-        "--model.name", "qwen3", "--model.n_layers", "2", "--training.steps", "3",
-        "--training.seq_len", "32", "--training.local_batch_size", "2",
-        "--validation.enable", "false", "--job.dump_folder", str(run),
-    ]  # fmt: skip
+        "--model.name",
+        "qwen3",
+        "--model.n_layers",
+        "2",
+        "--training.steps",
+        "3",
+        "--training.seq_len",
+        "32",
+        "--training.local_batch_size",
+        "2",
+        "--validation.enable",
+        "false",
+        "--job.dump_folder",
+        str(run),
+    ]
     get_pool(1).run(train_scenarios.train, argv=argv)
     ckpt = run / "checkpoint" / "step-3"
     assert json.loads((ckpt / "titanlite.json").read_text())["model_name"] == "qwen3"

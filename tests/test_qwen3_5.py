@@ -38,10 +38,22 @@ pytestmark = [
 
 def tiny_args(family: str = "qwen3_5", **changes: object) -> Qwen35Args:
     base: dict = dict(
-        dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=96,
-        linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=12, chunk_size=8,
-        vocab_size=4096, max_seq_len=128, tie_embeddings=True, rope_theta=10_000.0,
-    )  # fmt: skip
+        dim=64,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        hidden_dim=96,
+        linear_k_heads=2,
+        linear_v_heads=4,
+        linear_k_dim=8,
+        linear_v_dim=12,
+        chunk_size=8,
+        vocab_size=4096,
+        max_seq_len=128,
+        tie_embeddings=True,
+        rope_theta=10_000.0,
+    )
     if family == "qwen3_5_moe":  # 8 experts of width 32, top-2, a gated shared expert
         base |= dict(hidden_dim=0, num_experts=8, top_k=2, moe_hidden_dim=32)
     return get(family).args_cls(**(base | changes))
@@ -77,13 +89,27 @@ def test_published_parameter_counts(flavor: str) -> None:
 # The text_config of the published config.json files (Qwen/Qwen3.5-35B-A3B, -397B-A17B),
 # and the vision encoder's output width (the encoder itself titanlite does not build).
 MOE_CONFIGS = {
-    "35B-A3B": dict(hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
-                    linear_num_value_heads=32, num_experts=256, num_experts_per_tok=8,
-                    moe_intermediate_size=512, shared_expert_intermediate_size=512),
-    "397B-A17B": dict(hidden_size=4096, num_hidden_layers=60, num_attention_heads=32,
-                      linear_num_value_heads=64, num_experts=512, num_experts_per_tok=10,
-                      moe_intermediate_size=1024, shared_expert_intermediate_size=1024),
-}  # fmt: skip
+    "35B-A3B": dict(
+        hidden_size=2048,
+        num_hidden_layers=40,
+        num_attention_heads=16,
+        linear_num_value_heads=32,
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+    ),
+    "397B-A17B": dict(
+        hidden_size=4096,
+        num_hidden_layers=60,
+        num_attention_heads=32,
+        linear_num_value_heads=64,
+        num_experts=512,
+        num_experts_per_tok=10,
+        moe_intermediate_size=1024,
+        shared_expert_intermediate_size=1024,
+    ),
+}
 # The model cards: "35B in total and 3B activated", "397B in total and 17B activated".
 MOE_CARDS = {"35B-A3B": (35.0, 3), "397B-A17B": (397.0, 17)}
 
@@ -99,8 +125,13 @@ def test_moe_parameter_counts_equal_transformers_and_the_model_cards(flavor: str
 
     spec = get("qwen3_5_moe")
     args = spec.make_args(flavor, QWEN35_VOCAB, 4096, {})
-    common = dict(num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
-                  vocab_size=QWEN35_VOCAB, tie_word_embeddings=False)  # fmt: skip
+    common = dict(
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        vocab_size=QWEN35_VOCAB,
+        tie_word_embeddings=False,
+    )
     text = transformers.Qwen3_5MoeTextConfig(**common, **MOE_CONFIGS[flavor])
     vision = transformers.Qwen3_5MoeVisionConfig(out_hidden_size=text.hidden_size)
     with torch.device("meta"):
@@ -181,8 +212,10 @@ def test_moe_import_takes_the_fused_expert_layout_and_names_strays() -> None:
     hf = adapter.to_hf_state_dict(state, args)
     for layer in range(args.n_layers):
         prefix = f"model.layers.{layer}.mlp.experts."
-        per = {p: torch.stack([hf.pop(f"{prefix}{e}.{p}.weight") for e in range(8)])
-               for p in ("gate_proj", "up_proj", "down_proj")}  # fmt: skip
+        per = {
+            p: torch.stack([hf.pop(f"{prefix}{e}.{p}.weight") for e in range(8)])
+            for p in ("gate_proj", "up_proj", "down_proj")
+        }
         hf[prefix + "gate_up_proj"] = torch.cat([per["gate_proj"], per["up_proj"]], dim=1)
         hf[prefix + "down_proj"] = per["down_proj"]
     back = adapter.from_hf_state_dict(hf, args)
@@ -197,8 +230,9 @@ def test_moe_import_takes_the_fused_expert_layout_and_names_strays() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("family", "hf_class"), [("qwen3_5", "Qwen3_5ForCausalLM"), ("qwen3_5_moe", "Qwen3_5MoeForCausalLM")]
-)  # fmt: skip
+    ("family", "hf_class"),
+    [("qwen3_5", "Qwen3_5ForCausalLM"), ("qwen3_5_moe", "Qwen3_5MoeForCausalLM")],
+)
 def test_export_import_through_transformers_gives_equal_logits(
     tmp_path: Path, family: str, hf_class: str
 ) -> None:
@@ -231,12 +265,31 @@ def test_export_import_through_transformers_gives_equal_logits(
 # The parity model: both layer kinds, heads divisible by 2 for TP; the DeltaNet's rule
 # chunks (16 tokens) longer than a cp 4 rank's chunks of the 64-token sequence (8).
 PARITY_MODEL = (
-    "--model.name", "qwen3_5", "--model.dim", "64", "--model.n_layers", "4",
-    "--model.n_heads", "4", "--model.n_kv_heads", "2", "--model.head_dim", "16",
-    "--model.hidden_dim", "96", "--model.linear_k_heads", "2", "--model.linear_v_heads",
-    "4", "--model.linear_k_dim", "8", "--model.linear_v_dim", "8", "--model.chunk_size",
+    "--model.name",
+    "qwen3_5",
+    "--model.dim",
+    "64",
+    "--model.n_layers",
+    "4",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "2",
+    "--model.head_dim",
     "16",
-)  # fmt: skip
+    "--model.hidden_dim",
+    "96",
+    "--model.linear_k_heads",
+    "2",
+    "--model.linear_v_heads",
+    "4",
+    "--model.linear_k_dim",
+    "8",
+    "--model.linear_v_dim",
+    "8",
+    "--model.chunk_size",
+    "16",
+)
 
 
 # The MoE flavor's parity model: the same blocks with 4 experts (top-2) and a gated shared
@@ -244,9 +297,15 @@ PARITY_MODEL = (
 PARITY_MOE_MODEL = (
     *PARITY_MODEL[: PARITY_MODEL.index("--model.hidden_dim")],
     *PARITY_MODEL[PARITY_MODEL.index("--model.hidden_dim") + 2 :],
-    "--model.name", "qwen3_5_moe", "--model.num_experts", "4", "--model.top_k", "2",
-    "--model.moe_hidden_dim", "32",
-)  # fmt: skip
+    "--model.name",
+    "qwen3_5_moe",
+    "--model.num_experts",
+    "4",
+    "--model.top_k",
+    "2",
+    "--model.moe_hidden_dim",
+    "32",
+)
 
 
 def parity_run(
@@ -264,8 +323,12 @@ def parity_run(
     folder = tmp_path_factory.mktemp("qwen3_5")
     argv = [*model, *COMMON, "--job.dump_folder", str(folder), *layout.args(), *extra]
     if pp > 1:
-        argv += ["--parallelism.pipeline_parallel_degree", str(pp),
-                 "--parallelism.pipeline_parallel_microbatch_size", "1"]  # fmt: skip
+        argv += [
+            "--parallelism.pipeline_parallel_degree",
+            str(pp),
+            "--parallelism.pipeline_parallel_microbatch_size",
+            "1",
+        ]
     pool = get_pool(layout.ngpu * pp)
     run = pool.run(train_scenarios.train, argv=argv)[0]
     assert [r["step"] for r in run["records"]] == list(range(1, STEPS + 1))

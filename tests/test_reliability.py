@@ -55,14 +55,26 @@ def start_ranks(
     for rank in range(world):
         logs.append(out.parent / f"rank{rank}.log")
         env = subprocess_env(
-            out.parent, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank),
-            WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), **extra_env,
-        )  # fmt: skip
+            out.parent,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world),
+            **extra_env,
+        )
         with open(logs[-1], "w") as log:
-            procs.append(subprocess.Popen(
-                trainer_cmd(out, *args), cwd=REPO, env=env, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True,
-            ))  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    trainer_cmd(out, *args),
+                    cwd=REPO,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
     return procs, logs
 
 
@@ -102,10 +114,17 @@ def test_a_lost_rank_is_named_and_the_others_stop_within_the_timeout(tmp_path, f
     (hook / "sitecustomize.py").write_text(HOLD_STEP8_WRITE)
     during_save = fault == "SIGSTOP"
     procs, logs = start_ranks(
-        out, 2, "--training.steps", "100000", "--comm.timeout_seconds", str(TIMEOUT_S),
-        "--training.local_batch_size", "2", TEST_HELD=str(held),
+        out,
+        2,
+        "--training.steps",
+        "100000",
+        "--comm.timeout_seconds",
+        str(TIMEOUT_S),
+        "--training.local_batch_size",
+        "2",
+        TEST_HELD=str(held),
         **({"PYTHONPATH": str(hook)} if during_save else {}),
-    )  # fmt: skip
+    )
     try:
         deadline = time.monotonic() + 300
 
@@ -148,8 +167,10 @@ def test_a_lost_rank_is_named_and_the_others_stop_within_the_timeout(tmp_path, f
     # fails at torch's default of 30 minutes.
     bound = 2 * (TIMEOUT_S + 4 * TIMEOUT_S / 5) + 30
     assert waited < bound, f"rank {survivor} took {waited:.1f} s to stop (bound {bound:.1f} s)"
-    print(f"{fault} of rank {victim}: rank {survivor} exited {status} {waited:.1f} s later: "
-          f"{errors[0]}")  # fmt: skip
+    print(
+        f"{fault} of rank {victim}: rank {survivor} exited {status} {waited:.1f} s later: "
+        f"{errors[0]}"
+    )
     assert sorted(p.name for p in (out / "checkpoint" / "step-4").iterdir()) == before
 
 
@@ -161,7 +182,7 @@ def diagnose_when_told_to_stop(rank: int, world: int) -> str | None:
 
     import torch.distributed as dist
 
-    from titanlite import heartbeat, stop_signals
+    from titanlite.runtime import heartbeat, stop_signals
 
     beat = heartbeat.Heartbeat(rank, world, timeout_s=10.0)  # stale after 3 beats of 2 s
     dist.barrier()
@@ -197,8 +218,11 @@ def small_disk(tmp_path: Path):
     """A 70 MiB tmpfs: room for one checkpoint of the test model (about 41 MiB), not two."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=70m", "tmpfs", str(disk)],
-                             capture_output=True, text=True)  # fmt: skip
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=70m", "tmpfs", str(disk)],
+        capture_output=True,
+        text=True,
+    )
     if mounted.returncode != 0:
         pytest.skip(f"mounting a tmpfs needs root: {mounted.stderr.strip()}")
     try:

@@ -22,44 +22,73 @@ pytestmark = pytest.mark.slow
 
 STEPS = 12
 SMALL = [
-    "--training.steps", str(STEPS), "--checkpoint.interval", "4", "--metrics.log_freq", "1",
-    "--validation.enable", "false", "--training.seq_len", "64", "--model.n_layers", "2",
-]  # fmt: skip
+    "--training.steps",
+    str(STEPS),
+    "--checkpoint.interval",
+    "4",
+    "--metrics.log_freq",
+    "1",
+    "--validation.enable",
+    "false",
+    "--training.seq_len",
+    "64",
+    "--model.n_layers",
+    "2",
+]
 QWEN3 = ["--model.name", "qwen3", "--model.flavor", "debugmodel"]
 # Global batch 4 sequences in every layout.
 LAYOUTS = {
     "1proc": (1, ["--training.local_batch_size", "4"]),
     "dp_shard2": (2, ["--training.local_batch_size", "2"]),
     "dp_shard2_tp2": (
-        4, ["--training.local_batch_size", "2", "--parallelism.tensor_parallel_degree", "2"]
+        4,
+        ["--training.local_batch_size", "2", "--parallelism.tensor_parallel_degree", "2"],
     ),
     "dp_replicate4": (
         4,
-        ["--training.local_batch_size", "1", "--parallelism.data_parallel_replicate_degree", "4",
-         "--parallelism.data_parallel_shard_degree", "1"],
+        [
+            "--training.local_batch_size",
+            "1",
+            "--parallelism.data_parallel_replicate_degree",
+            "4",
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+        ],
     ),
     "dp_replicate2_tp2": (
         4,
-        ["--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "2",
-         "--parallelism.data_parallel_shard_degree", "1",
-         "--parallelism.tensor_parallel_degree", "2"],
+        [
+            "--training.local_batch_size",
+            "2",
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+        ],
     ),
     # Context parallelism: each sequence split over 2 ranks (alone: DDP over them; with
     # dp_shard: FSDP over dp_shard x cp).
     "cp2": (2, ["--training.local_batch_size", "4", "--parallelism.context_parallel_degree", "2"]),
     "cp2_dp_shard2": (
-        4, ["--training.local_batch_size", "2", "--parallelism.context_parallel_degree", "2"]
+        4,
+        ["--training.local_batch_size", "2", "--parallelism.context_parallel_degree", "2"],
     ),
     "ep2": (2, ["--training.local_batch_size", "2", "--parallelism.expert_parallel_degree", "2"]),
-    "tp2": (
-        2, ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"]
-    ),
+    "tp2": (2, ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"]),
     "pp2": (
         2,
-        ["--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "2",
-         "--parallelism.pipeline_parallel_microbatch_size", "1"],
+        [
+            "--training.local_batch_size",
+            "4",
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_microbatch_size",
+            "1",
+        ],
     ),
-}  # fmt: skip
+}
 RTOL = 1e-5
 
 
@@ -128,10 +157,12 @@ def test_every_layout_starts_from_the_same_weights(
 @pytest.mark.parametrize(
     ("family", "layout"),
     [
-        ("llama3", "dp_shard2_tp2"), ("llama3", "dp_replicate4"), ("qwen3", "dp_shard2_tp2"),
+        ("llama3", "dp_shard2_tp2"),
+        ("llama3", "dp_replicate4"),
+        ("qwen3", "dp_shard2_tp2"),
         ("llama3", "cp2_dp_shard2"),
     ],
-)  # fmt: skip
+)
 def test_one_process_checkpoint_resumes_on_4_ranks(
     tmp_path: Path, baselines: dict, family: str, layout: str
 ) -> None:
@@ -189,18 +220,56 @@ def test_resume_restores_each_ranks_rng_state(tmp_path: Path) -> None:
 # layers and one gated full-attention layer (tied embeddings).
 NEW_FAMILIES = {
     "gpt_oss": [
-        "--model.name", "gpt_oss", "--model.dim", "64", "--model.n_layers", "2",
-        "--model.n_heads", "4", "--model.n_kv_heads", "2", "--model.head_dim", "16",
-        "--model.num_experts", "4", "--model.top_k", "2", "--model.moe_hidden_dim", "32",
-        "--model.sliding_window", "8", "--model.aux_loss_coef", "0.01",
+        "--model.name",
+        "gpt_oss",
+        "--model.dim",
+        "64",
+        "--model.n_layers",
+        "2",
+        "--model.n_heads",
+        "4",
+        "--model.n_kv_heads",
+        "2",
+        "--model.head_dim",
+        "16",
+        "--model.num_experts",
+        "4",
+        "--model.top_k",
+        "2",
+        "--model.moe_hidden_dim",
+        "32",
+        "--model.sliding_window",
+        "8",
+        "--model.aux_loss_coef",
+        "0.01",
     ],
     "qwen3_5": [
-        "--model.name", "qwen3_5", "--model.dim", "64", "--model.n_layers", "4",
-        "--model.n_heads", "4", "--model.n_kv_heads", "2", "--model.head_dim", "16",
-        "--model.hidden_dim", "96", "--model.linear_k_heads", "2", "--model.linear_v_heads", "4",
-        "--model.linear_k_dim", "8", "--model.linear_v_dim", "8", "--model.chunk_size", "16",
+        "--model.name",
+        "qwen3_5",
+        "--model.dim",
+        "64",
+        "--model.n_layers",
+        "4",
+        "--model.n_heads",
+        "4",
+        "--model.n_kv_heads",
+        "2",
+        "--model.head_dim",
+        "16",
+        "--model.hidden_dim",
+        "96",
+        "--model.linear_k_heads",
+        "2",
+        "--model.linear_v_heads",
+        "4",
+        "--model.linear_k_dim",
+        "8",
+        "--model.linear_v_dim",
+        "8",
+        "--model.chunk_size",
+        "16",
     ],
-}  # fmt: skip
+}
 SHORT = ["--training.steps", "8", "--training.seq_len", "32"]
 STOP_AT = 4
 DEGREES = {"ep2": {"dp_shard": 2}, "pp2": {"pp": 2}, "tp2": {"tp": 2}}

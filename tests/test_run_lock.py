@@ -1,4 +1,4 @@
-"""One run per dump folder (titanlite.run_lock, issue 37): who may take a folder, with real
+"""One run per dump folder (titanlite.runtime.run_lock, issue 37): who may take a folder, with real
 holder processes (no torch in them: a second each). The launches through ./run_train.sh
 (a second run refused by the launcher, a killed run's lock taken over) are in
 test_interrupts.py."""
@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 from conftest import REPO, subprocess_env
 
-from titanlite import run_lock
 from titanlite.errors import EXIT_USER_ERROR
 from titanlite.files import atomic_write
+from titanlite.runtime import run_lock
 
 HOLDER = """
 import logging, sys, time
-from titanlite import run_lock
+from titanlite.runtime import run_lock
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 run_lock.REFRESH_S = float(sys.argv[2])
 lock = run_lock.acquire(sys.argv[1], "training")
@@ -43,9 +43,13 @@ class Holder:
     def __init__(self, folder: Path, refresh_s: float = 10.0, **env: str):
         self.proc = subprocess.Popen(
             [sys.executable, "-c", HOLDER, str(folder), str(refresh_s)],
-            cwd=REPO, env=subprocess_env(folder.parent, **env), stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
+            cwd=REPO,
+            env=subprocess_env(folder.parent, **env),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         assert self.proc.stdout.readline().strip() == "held", self.proc.communicate()[0]
 
     def finish(self) -> str:
@@ -79,7 +83,7 @@ def test_a_live_run_holds_its_folder_and_a_killed_one_is_taken_over(tmp_path, ca
     holder.proc.send_signal(signal.SIGKILL)
     holder.finish()
     run_lock.check_free(folder)  # a dead holder stops nobody
-    with caplog.at_level(logging.WARNING, logger="titanlite.run_lock"):
+    with caplog.at_level(logging.WARNING, logger="titanlite.runtime.run_lock"):
         lock = run_lock.acquire(folder, "training")
     assert f"process {holder.proc.pid} no longer exists" in caplog.text
     assert run_lock.read(folder / run_lock.LOCK_FILE).pid == os.getpid()
@@ -95,7 +99,7 @@ def test_a_lock_from_another_host_is_judged_by_its_heartbeat(tmp_path, caplog, n
     with pytest.raises(run_lock.RunFolderBusy, match="on host node-elsewhere"):
         run_lock.acquire(folder, "training")
     write_lock(folder, host="node-elsewhere", pid=1, heartbeat=now - run_lock.STALE_AFTER_S - 5)
-    with caplog.at_level(logging.WARNING, logger="titanlite.run_lock"):
+    with caplog.at_level(logging.WARNING, logger="titanlite.runtime.run_lock"):
         run_lock.acquire(folder, "training").release()
     # 65 s, or a little more where the test was held up between writing the lock and reading it
     assert re.search(r"no heartbeat for 6[5-9] s \(more than 60 s\)", caplog.text), caplog.text
@@ -151,7 +155,7 @@ def test_a_requeued_job_waits_for_its_previous_attempt_and_never_runs_beside_it(
 
 LOSE_IT = """
 import logging, sys, time
-from titanlite import run_lock
+from titanlite.runtime import run_lock
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 run_lock.REFRESH_S = 0.1
 lock = run_lock.acquire(sys.argv[1], "training")
@@ -173,9 +177,13 @@ def test_the_heartbeat_refreshes_and_a_holder_that_lost_its_lock_stops(tmp_path,
     and the next one meets the taker's."""
     folder = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-c", LOSE_IT, str(folder)], cwd=REPO, env=subprocess_env(tmp_path),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [sys.executable, "-c", LOSE_IT, str(folder)],
+        cwd=REPO,
+        env=subprocess_env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     assert proc.stdout.readline().strip() == "refreshed", proc.communicate()[0]
     deadline = time.monotonic() + 30
     while proc.poll() is None and time.monotonic() < deadline:
@@ -195,9 +203,20 @@ def test_a_trainer_started_past_the_launchers_check_is_refused_too(tmp_path, no_
 
     folder = tmp_path / "run"
     holder = Holder(folder)
-    argv = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
-            "--job.dump_folder", str(folder), "--training.steps", "1", "--model.n_layers", "1",
-            "--validation.enable", "false", "--training.seq_len", "64"]  # fmt: skip
+    argv = [
+        "--job.config_file",
+        str(REPO / "train_configs" / "debug_model.toml"),
+        "--job.dump_folder",
+        str(folder),
+        "--training.steps",
+        "1",
+        "--model.n_layers",
+        "1",
+        "--validation.enable",
+        "false",
+        "--training.seq_len",
+        "64",
+    ]
     pool = get_pool(2)
     try:
         statuses = pool.run(train_scenarios.main, argv=argv, timeout=300)

@@ -18,10 +18,21 @@ from pool import get_pool
 pytestmark = pytest.mark.slow
 
 ARGS = [
-    "--training.steps", "6", "--metrics.log_freq", "5", "--validation.enable", "false",
-    "--checkpoint.enable", "false", "--training.seq_len", "64", "--model.n_layers", "2",
-    "--training.local_batch_size", "2",
-]  # fmt: skip
+    "--training.steps",
+    "6",
+    "--metrics.log_freq",
+    "5",
+    "--validation.enable",
+    "false",
+    "--checkpoint.enable",
+    "false",
+    "--training.seq_len",
+    "64",
+    "--model.n_layers",
+    "2",
+    "--training.local_batch_size",
+    "2",
+]
 LAYOUTS = {
     "dp_shard=2": (2, []),
     "dp_shard=2xtp=2": (4, ["--parallelism.tensor_parallel_degree", "2"]),
@@ -29,15 +40,19 @@ LAYOUTS = {
 }
 # With the spike guard on (docs/stability.md) every step reduces its loss and reads it and the
 # gradient norm once, before the optimizer step; a logged step reuses that reduction.
-GUARDED = {"dp_shard=2, skip_spikes": (2, ["--training.skip_spikes", "loss,grad_norm",
-                                           "--training.max_skipped", "1"])}  # fmt: skip
+GUARDED = {
+    "dp_shard=2, skip_spikes": (
+        2,
+        ["--training.skip_spikes", "loss,grad_norm", "--training.max_skipped", "1"],
+    )
+}
 # The documented list (docs/performance.md, "What a step waits for"): titanlite's own calls
 # in a step that is not logged.
-TOKEN_COUNT = ("all_reduce", False, "titanlite.distributed.all_reduce")
-VOTE = ("all_reduce", True, "titanlite.stop_vote.start")
-VOTE_READ = ("__int__", "titanlite.stop_vote.settle")  # a CPU tensor: no device sync
+TOKEN_COUNT = ("all_reduce", False, "titanlite.runtime.distributed.all_reduce")
+VOTE = ("all_reduce", True, "titanlite.runtime.stop_vote.start")
+VOTE_READ = ("__int__", "titanlite.runtime.stop_vote.settle")  # a CPU tensor: no device sync
 LOSS_SUM = TOKEN_COUNT  # the same call: the loss terms' sums, all-reduced over the loss group
-GUARD_READ = ("tolist", "titanlite.stability.accept")  # the step's loss and gradient norm
+GUARD_READ = ("tolist", "titanlite.training.stability.accept")  # the step's loss and gradient norm
 
 
 QUIET_STEP, LOGGED_STEP = 3, 5  # log_freq 5
@@ -94,10 +109,20 @@ def test_interval_minutes_saves_on_every_rank_at_the_same_step(tmp_path, world):
     saves at once, several ranks one step after the vote; the step interval is far away."""
     out = tmp_path / "run"
     argv = [
-        *ARGS, "--checkpoint.enable", "true", "--checkpoint.interval", "1000",
-        "--checkpoint.interval_minutes", "1e-9", "--checkpoint.keep_latest_k", "0",
-        "--job.dump_folder", str(out), "--parallelism.data_parallel_shard_degree", str(world),
-    ]  # fmt: skip
+        *ARGS,
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "1000",
+        "--checkpoint.interval_minutes",
+        "1e-9",
+        "--checkpoint.keep_latest_k",
+        "0",
+        "--job.dump_folder",
+        str(out),
+        "--parallelism.data_parallel_shard_degree",
+        str(world),
+    ]
     pool = get_pool(world)
     pool.run(train_scenarios.train, argv=argv)
     saved = sorted(int(p.name.split("-")[1]) for p in (out / "checkpoint").glob("step-*"))

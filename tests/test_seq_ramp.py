@@ -32,10 +32,17 @@ TOKENS_SEEN = [64, 128, 256, 384, 512, 768, 1024, 1280]
 
 
 def ramp(world: int, *args: str, schedule: str = SCHEDULE) -> BatchRamp:
-    cfg = load_config([
-        "--training.seq_len", "64", "--training.local_batch_size", "4",
-        "--training.seq_len_schedule", schedule, *args,
-    ])  # fmt: skip
+    cfg = load_config(
+        [
+            "--training.seq_len",
+            "64",
+            "--training.local_batch_size",
+            "4",
+            "--training.seq_len_schedule",
+            schedule,
+            *args,
+        ]
+    )
     return BatchRamp.of(cfg, resolve_degrees(cfg, world))
 
 
@@ -48,8 +55,16 @@ def test_each_step_takes_the_length_of_the_tokens_trained_before_it() -> None:
     assert not ramp(1, schedule="").seq_len_ramped and ramp(1, schedule="").seq_len(1) == 64
     # With a batch ramp too, each step is in the stage of both: 2 x 16 tokens until 128, then
     # 4 x 16 until 256 (the length's stage ends at 128 + 2 steps), then 4 x 64.
-    both = ramp(1, "--training.local_batch_size", "2", "--training.global_batch_size", "4",
-                "--training.batch_size_schedule", "128:2", schedule="256:16")  # fmt: skip
+    both = ramp(
+        1,
+        "--training.local_batch_size",
+        "2",
+        "--training.global_batch_size",
+        "4",
+        "--training.batch_size_schedule",
+        "128:2",
+        schedule="256:16",
+    )
     shapes = [(both.sequences(s), both.seq_len(s)) for s in range(1, 8)]
     assert shapes == [(2, 16)] * 4 + [(4, 16)] * 2 + [(4, 64)], shapes
 
@@ -61,14 +76,28 @@ def test_each_step_takes_the_length_of_the_tokens_trained_before_it() -> None:
         (["--training.seq_len_schedule", "512:16,256:32"], 1, "tokens must grow"),
         (["--training.seq_len_schedule", "512:0"], 1, "seq_len be at least 1"),
         (["--training.seq_len_schedule", "512:128"], 1, "seq_len 128 is above training.seq_len"),
-        (["--training.seq_len_schedule", "512:10", "--parallelism.context_parallel_degree", "2"],
-         2, "seq_len 10 must be .* a multiple of 4"),
-        (["--training.seq_len_schedule", "512:15", "--parallelism.tensor_parallel_degree", "2"],
-         2, "seq_len 15 must be .* a multiple of 2"),
-        (["--training.seq_len_schedule", "512:16", "--parallelism.pipeline_parallel_degree", "2"],
-         2, "does not combine with pipeline parallelism"),
+        (
+            ["--training.seq_len_schedule", "512:10", "--parallelism.context_parallel_degree", "2"],
+            2,
+            "seq_len 10 must be .* a multiple of 4",
+        ),
+        (
+            ["--training.seq_len_schedule", "512:15", "--parallelism.tensor_parallel_degree", "2"],
+            2,
+            "seq_len 15 must be .* a multiple of 2",
+        ),
+        (
+            [
+                "--training.seq_len_schedule",
+                "512:16",
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+            ],
+            2,
+            "does not combine with pipeline parallelism",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_schedules_are_one_line_config_errors(args, world, message, monkeypatch, capsys):
     argv = [str(Path(__file__).parent.parent / "train_configs" / "debug_model.toml"), *args]
     argv += ["--training.seq_len", "64", "--training.local_batch_size", "2"]
@@ -81,7 +110,7 @@ def test_bad_schedules_are_one_line_config_errors(args, world, message, monkeypa
 
 def test_mfu_counts_each_step_at_the_flops_of_its_length() -> None:
     """Attention's FLOPs per token grow with the length: a shorter step costs less."""
-    from titanlite.run_info import StepLogger, StepStats, Throughput
+    from titanlite.metrics.run_info import StepLogger, StepStats, Throughput
 
     records: list[dict] = []
 
@@ -173,8 +202,9 @@ def test_token_folder_ramp_loses_and_repeats_no_token(tok, tmp_path) -> None:
     pretokenize(DataSpec(dataset_path=str(source)), tok, tmp_path / "tokens", progress=False)
 
     def make(rank: int, world: int) -> Loader:
-        spec = DataSpec(dataset_path=str(tmp_path / "tokens"), seq_len=16,
-                        local_batch_size=BATCH // world)  # fmt: skip
+        spec = DataSpec(
+            dataset_path=str(tmp_path / "tokens"), seq_len=16, local_batch_size=BATCH // world
+        )
         return build_dataloader(tok, spec, rank, world, split="train")
 
     loader = make(0, 1)
@@ -195,8 +225,10 @@ def test_mixture_ramp_reads_each_datasets_stream_on(tok, tmp_path) -> None:
 
     def make(rank: int, world: int) -> MixtureLoader:
         spec = DataSpec(seq_len=16, local_batch_size=BATCH // world)
-        parts = [Part(f.name, w, replace(spec, dataset_path=str(f)))
-                 for f, w in zip(folders, (0.75, 0.25), strict=True)]  # fmt: skip
+        parts = [
+            Part(f.name, w, replace(spec, dataset_path=str(f)))
+            for f, w in zip(folders, (0.75, 0.25), strict=True)
+        ]
         return MixtureLoader(tok, parts, rank, world)
 
     ramped, states = read(make, 2, PLAN)
@@ -216,12 +248,33 @@ def test_mixture_ramp_reads_each_datasets_stream_on(tok, tmp_path) -> None:
 # --- training (worker pool) ----------------------------------------------------------------------
 
 ARGS = (
-    "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4",
-    "--model.n_kv_heads", "4", "--model.multiple_of", "32", "--training.seq_len", "64",
-    "--training.steps", "8", "--metrics.log_freq", "1", "--validation.enable", "false",
-    "--training.global_batch_size", "4", "--training.seq_len_schedule", SCHEDULE,
-    "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0",
-)  # fmt: skip
+    "--model.dim",
+    "64",
+    "--model.n_layers",
+    "2",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "4",
+    "--model.multiple_of",
+    "32",
+    "--training.seq_len",
+    "64",
+    "--training.steps",
+    "8",
+    "--metrics.log_freq",
+    "1",
+    "--validation.enable",
+    "false",
+    "--training.global_batch_size",
+    "4",
+    "--training.seq_len_schedule",
+    SCHEDULE,
+    "--checkpoint.interval",
+    "2",
+    "--checkpoint.keep_latest_k",
+    "0",
+)
 
 
 def train(world: int, out: Path, *args: str) -> list[dict]:
@@ -243,7 +296,7 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[in
     "layout", [("--parallelism.context_parallel_degree", "2")], ids=["dp_shard2_cp2"]
 )
 def test_the_ramp_trains_alike_on_1_and_4_ranks(one_process, layout, tmp_path) -> None:
-    from titanlite.compare import relative_difference
+    from titanlite.metrics.compare import relative_difference
 
     _, one = one_process
     four = by_step(train(4, tmp_path / "four", "--training.local_batch_size", "2", *layout))

@@ -18,8 +18,8 @@ from titanlite.config import ConfigError, load_config
 from titanlite.config.job_config import Training
 from titanlite.data.batches import IGNORE_INDEX
 from titanlite.errors import TrainingDiverged
-from titanlite.loss import TrainingLoss, cross_entropy_sum
-from titanlite.stability import SpikeGuard
+from titanlite.training.loss import TrainingLoss, cross_entropy_sum
+from titanlite.training.stability import SpikeGuard
 
 # --- z-loss: the function (no processes) ---------------------------------------------------------
 
@@ -147,12 +147,31 @@ def test_defaults_keep_every_tool_off() -> None:
 STEPS = 6
 Z_WEIGHT = "0.01"
 TINY = (
-    "--model.name", "llama3", "--model.dim", "64", "--model.n_layers", "2",
-    "--model.n_heads", "4", "--model.n_kv_heads", "4", "--model.multiple_of", "32",
-    "--training.seq_len", "64", "--training.steps", str(STEPS), "--metrics.log_freq", "1",
-    "--validation.enable", "false", "--checkpoint.enable", "false",
-    "--training.z_loss_weight", Z_WEIGHT,
-)  # fmt: skip
+    "--model.name",
+    "llama3",
+    "--model.dim",
+    "64",
+    "--model.n_layers",
+    "2",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "4",
+    "--model.multiple_of",
+    "32",
+    "--training.seq_len",
+    "64",
+    "--training.steps",
+    str(STEPS),
+    "--metrics.log_freq",
+    "1",
+    "--validation.enable",
+    "false",
+    "--checkpoint.enable",
+    "false",
+    "--training.z_loss_weight",
+    Z_WEIGHT,
+)
 RTOL = 1e-5
 METRICS = ("loss", "grad_norm", "z_loss")
 
@@ -186,20 +205,38 @@ def test_the_logged_z_loss_is_the_one_computed_from_the_logits(z_baseline: dict)
 @pytest.mark.parametrize(
     ("world", "layout"),
     [
-        (4, ["--parallelism.data_parallel_shard_degree", "2",
-             "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"]),
-        (2, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "8",
-             "--parallelism.pipeline_parallel_microbatch_size", "4"]),
+        (
+            4,
+            [
+                "--parallelism.data_parallel_shard_degree",
+                "2",
+                "--parallelism.tensor_parallel_degree",
+                "2",
+                "--training.local_batch_size",
+                "4",
+            ],
+        ),
+        (
+            2,
+            [
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--training.local_batch_size",
+                "8",
+                "--parallelism.pipeline_parallel_microbatch_size",
+                "4",
+            ],
+        ),
     ],
     ids=["dp_shard=2xtp=2", "pp=2"],
-)  # fmt: skip
+)
 def test_z_loss_matches_one_process(
     world: int, layout: list[str], z_baseline: dict, tmp_path: Path
 ) -> None:
     import train_scenarios
     from pool import get_pool
 
-    from titanlite.compare import relative_difference
+    from titanlite.metrics.compare import relative_difference
 
     argv = [*TINY, *layout, "--job.dump_folder", str(tmp_path / "run")]
     pool = get_pool(world)
@@ -216,12 +253,33 @@ def test_z_loss_matches_one_process(
 
 
 ROUTER_Z = (
-    "--model.name", "qwen3_moe", "--model.n_layers", "2", "--model.dim", "64",
-    "--model.n_heads", "4", "--model.n_kv_heads", "2", "--model.head_dim", "16",
-    "--model.moe_hidden_dim", "64", "--model.router_z_loss_coef", "0.01",
-    "--training.seq_len", "32", "--training.steps", "4", "--metrics.log_freq", "1",
-    "--validation.enable", "false", "--checkpoint.enable", "false",
-)  # fmt: skip
+    "--model.name",
+    "qwen3_moe",
+    "--model.n_layers",
+    "2",
+    "--model.dim",
+    "64",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "2",
+    "--model.head_dim",
+    "16",
+    "--model.moe_hidden_dim",
+    "64",
+    "--model.router_z_loss_coef",
+    "0.01",
+    "--training.seq_len",
+    "32",
+    "--training.steps",
+    "4",
+    "--metrics.log_freq",
+    "1",
+    "--validation.enable",
+    "false",
+    "--checkpoint.enable",
+    "false",
+)
 
 
 @pytest.mark.slow
@@ -231,7 +289,7 @@ def test_router_z_loss_matches_one_process_on_sequence_shards(tmp_path: Path) ->
     import train_scenarios
     from pool import get_pool
 
-    from titanlite.compare import relative_difference
+    from titanlite.metrics.compare import relative_difference
 
     runs = {}
     for world, extra in ((1, ()), (2, ("--parallelism.tensor_parallel_degree", "2"))):
@@ -253,12 +311,28 @@ def test_router_z_loss_matches_one_process_on_sequence_shards(tmp_path: Path) ->
 SKIP_STEPS = 8
 SPIKES = {4: "scale", 6: "scale", 7: "nan"}  # 6 and 7: two skips in a row, max_skipped 2
 SKIP_ARGS = (
-    *TINY, "--training.steps", str(SKIP_STEPS), "--training.local_batch_size", "4",
-    "--parallelism.data_parallel_shard_degree", "2",
-    "--training.skip_spikes", "loss,grad_norm", "--training.spike_window", "3",
-    "--training.max_skipped", "2", "--training.ema_decay", "0.9",
-    "--checkpoint.enable", "true", "--checkpoint.interval", "4", "--checkpoint.keep_latest_k", "0",
-)  # fmt: skip
+    *TINY,
+    "--training.steps",
+    str(SKIP_STEPS),
+    "--training.local_batch_size",
+    "4",
+    "--parallelism.data_parallel_shard_degree",
+    "2",
+    "--training.skip_spikes",
+    "loss,grad_norm",
+    "--training.spike_window",
+    "3",
+    "--training.max_skipped",
+    "2",
+    "--training.ema_decay",
+    "0.9",
+    "--checkpoint.enable",
+    "true",
+    "--checkpoint.interval",
+    "4",
+    "--checkpoint.keep_latest_k",
+    "0",
+)
 
 
 def train_records(records: list[dict]) -> dict[int, dict]:
@@ -334,14 +408,26 @@ def test_more_skips_in_a_row_than_max_skipped_stop_the_run_with_status_3(tmp_pat
     import train_scenarios
     from pool import get_pool
 
-    from titanlite.metrics_file import find_metrics_file, read_metrics
+    from titanlite.metrics.jsonl import find_metrics_file, read_metrics
 
     out = tmp_path / "run"
     argv = [
-        *TINY, "--optimizer.lr", "1e30", "--lr_scheduler.warmup_steps", "0",
-        "--training.max_norm", "0", "--training.steps", "20", "--training.max_skipped", "2",
-        "--training.local_batch_size", "2", "--job.dump_folder", str(out),
-    ]  # fmt: skip
+        *TINY,
+        "--optimizer.lr",
+        "1e30",
+        "--lr_scheduler.warmup_steps",
+        "0",
+        "--training.max_norm",
+        "0",
+        "--training.steps",
+        "20",
+        "--training.max_skipped",
+        "2",
+        "--training.local_batch_size",
+        "2",
+        "--job.dump_folder",
+        str(out),
+    ]
     pool = get_pool(1)
     assert pool.run(train_scenarios.main, argv=argv)[0] == 3
     last = pool.last_output[0].strip().splitlines()[-1]

@@ -229,10 +229,23 @@ TRAIN_STEPS = 12
 DEBUG_CONFIG = str(REPO / "train_configs" / "debug_model.toml")
 # The tiny model of test_resume_layouts; global batch 4 x 64 tokens; validation twice.
 TRAIN_ARGS = [
-    "--training.steps", str(TRAIN_STEPS), "--checkpoint.interval", "4", "--metrics.log_freq", "1",
-    "--training.seq_len", "64", "--model.n_layers", "2", "--validation.enable", "true",
-    "--validation.freq", "6", "--validation.steps", "2",
-]  # fmt: skip
+    "--training.steps",
+    str(TRAIN_STEPS),
+    "--checkpoint.interval",
+    "4",
+    "--metrics.log_freq",
+    "1",
+    "--training.seq_len",
+    "64",
+    "--model.n_layers",
+    "2",
+    "--validation.enable",
+    "true",
+    "--validation.freq",
+    "6",
+    "--validation.steps",
+    "2",
+]
 PARITY_RTOL = 1e-6
 
 
@@ -246,9 +259,14 @@ def test_a_truncated_shard_stops_a_trainer_process_with_one_error_line(tmp_path,
     shard = folder / "train-00001.bin"
     shard.write_bytes(shard.read_bytes()[:-2])
     argv = [
-        "--job.config_file", DEBUG_CONFIG, *TRAIN_ARGS, "--training.dataset_path", str(folder),
-        "--job.dump_folder", str(tmp_path / "run"),
-    ]  # fmt: skip
+        "--job.config_file",
+        DEBUG_CONFIG,
+        *TRAIN_ARGS,
+        "--training.dataset_path",
+        str(folder),
+        "--job.dump_folder",
+        str(tmp_path / "run"),
+    ]
     pool = get_pool(1)
     (status,) = pool.run(train_scenarios.main, argv=argv)
     output = pool.last_output[0]
@@ -265,8 +283,12 @@ def sotu_tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("sotu") / "tokens"
     result = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "pretokenize.py"), DEBUG_CONFIG, "--out", str(out)],
-        cwd=REPO, env=subprocess_env(out.parent), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=REPO,
+        env=subprocess_env(out.parent),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "tokens/s" in result.stderr  # the progress line
     return out
@@ -275,9 +297,15 @@ def sotu_tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def train_on(folder: Path, out: Path, world: int, local_batch: int, *args: str) -> dict:
     """Train on the pool with dp_shard = world; rank 0's run (records, run.json)."""
     argv = [
-        *TRAIN_ARGS, "--training.dataset_path", str(folder), "--job.dump_folder", str(out),
-        "--training.local_batch_size", str(local_batch), *args,
-    ]  # fmt: skip
+        *TRAIN_ARGS,
+        "--training.dataset_path",
+        str(folder),
+        "--job.dump_folder",
+        str(out),
+        "--training.local_batch_size",
+        str(local_batch),
+        *args,
+    ]
     return get_pool(world).run(train_scenarios.train, argv=argv)[0]
 
 
@@ -343,8 +371,14 @@ def test_sigkilled_run_on_a_token_folder_resumes_exactly(
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(SLOW_COMMIT)
     args = (*TRAIN_ARGS, "--training.dataset_path", str(sotu_tokens))
-    victim = Started(out, *args, "--training.local_batch_size", "4", PYTHONPATH=str(hook),
-                     TEST_SLOW_COMMIT=f"step-{TRAIN_STEPS}.partial")  # fmt: skip
+    victim = Started(
+        out,
+        *args,
+        "--training.local_batch_size",
+        "4",
+        PYTHONPATH=str(hook),
+        TEST_SLOW_COMMIT=f"step-{TRAIN_STEPS}.partial",
+    )
     victim.wait_until("step-8 is saved", lambda: (out / "checkpoint" / "step-8").is_dir())
     victim.proc.send_signal(signal.SIGKILL)
     assert victim.wait() == -signal.SIGKILL
@@ -468,8 +502,9 @@ def test_mixture_config_and_its_errors(tmp_path, two_folders):
     )
     cfg = load_config(["--job.config_file", str(toml)])
     assert [(e.path, e.weight, e.name) for e in cfg.training.datasets] == [
-        (str(a), 3.0, ""), (str(b), 1.0, "bee"),
-    ]  # fmt: skip
+        (str(a), 3.0, ""),
+        (str(b), 1.0, "bee"),
+    ]
     again = tmp_path / "resolved.toml"
     again.write_text(to_toml(cfg))  # what a run writes to config.toml reads back the same
     assert load_config(["--job.config_file", str(again)]).training.datasets == cfg.training.datasets
@@ -497,9 +532,15 @@ def test_training_on_a_mixture_reports_each_datasets_validation_loss(
     synthetic = tmp_path / "synthetic"
     pretokenize(DataSpec(dataset_path=str(source)), tok, synthetic, progress=False)
     argv = [
-        *TRAIN_ARGS, "--training.steps", "6", "--job.dump_folder", str(tmp_path / "run"),
-        "--training.local_batch_size", "4", f"--training.datasets={sotu_tokens}:3,{synthetic}",
-    ]  # fmt: skip
+        *TRAIN_ARGS,
+        "--training.steps",
+        "6",
+        "--job.dump_folder",
+        str(tmp_path / "run"),
+        "--training.local_batch_size",
+        "4",
+        f"--training.datasets={sotu_tokens}:3,{synthetic}",
+    ]
     pool = get_pool(1)
     run = pool.run(train_scenarios.train, argv=argv)[0]
     (record,) = [r for r in run["records"] if r.get("kind") == "validation"]
@@ -517,8 +558,17 @@ def test_later_validation_passes_reuse_the_first_passes_batches(tmp_path: Path) 
     """The text stream finds held-out documents by scanning the corpus: only the first pass
     does; the second (same weights) gives the identical loss from the kept batches, and so
     does a restarted trainer, from the batches each rank kept in the dump folder."""
-    argv = [*TRAIN_ARGS, "--job.dump_folder", str(tmp_path / "run"), "--validation.steps", "3",
-            "--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2"]  # fmt: skip
+    argv = [
+        *TRAIN_ARGS,
+        "--job.dump_folder",
+        str(tmp_path / "run"),
+        "--validation.steps",
+        "3",
+        "--parallelism.data_parallel_shard_degree",
+        "2",
+        "--training.local_batch_size",
+        "2",
+    ]
     pool = get_pool(2)
     first, second = pool.run(train_scenarios.validate_twice, argv=argv)[0]
     assert first["val_loss"] == second["val_loss"] and first["val_tokens"] == 3 * 4 * 64
@@ -527,8 +577,9 @@ def test_later_validation_passes_reuse_the_first_passes_batches(tmp_path: Path) 
     assert sum("data: first validation batch" in line for line in logs) == 1, logs
     # A restart in the same dump folder reads each rank's kept batches from disk: no scan.
     assert sorted(p.name for p in (tmp_path / "run" / "validation").iterdir()) == [
-        "dp0-of-2.pt", "dp1-of-2.pt",
-    ]  # fmt: skip
+        "dp0-of-2.pt",
+        "dp1-of-2.pt",
+    ]
     restarted = pool.run(train_scenarios.validate_twice, argv=argv)[0]
     assert [r["val_loss"] for r in restarted[-2:]] == [first["val_loss"]] * 2
     logs = pool.last_logs[0]
@@ -566,8 +617,17 @@ def test_another_holdout_fraction_is_a_warning_not_a_new_split(tmp_path, tok, sp
 def test_text_stream_split_by_rank_resumes_exactly_at_the_same_degree_only(tmp_path: Path):
     """training.split_by_rank on the built-in corpus, 2 ranks: the step-4 checkpoint (each
     rank's own position in DCP) resumes bit for bit; on 1 rank it is a one-line error, exit 2."""
-    args = [*TRAIN_ARGS, "--training.split_by_rank", "true", "--training.steps", "8",
-            "--validation.enable", "false", "--training.local_batch_size", "2"]  # fmt: skip
+    args = [
+        *TRAIN_ARGS,
+        "--training.split_by_rank",
+        "true",
+        "--training.steps",
+        "8",
+        "--validation.enable",
+        "false",
+        "--training.local_batch_size",
+        "2",
+    ]
     pool = get_pool(2)
     full = pool.run(train_scenarios.train, argv=[*args, "--job.dump_folder", str(tmp_path / "a")])
     losses, _ = curves(full[0])
@@ -576,14 +636,17 @@ def test_text_stream_split_by_rank_resumes_exactly_at_the_same_degree_only(tmp_p
     shutil.copytree(tmp_path / "a" / "checkpoint" / "step-4", again)
     sidecar = json.loads((again / "titanlite.json").read_text())
     assert sidecar["states"]["dataloader"] == {"format": 2, "split_by_rank": 2}
-    resumed, _ = curves(pool.run(train_scenarios.train, argv=[*args, "--job.dump_folder",
-                                                                str(tmp_path / "b")])[0])  # fmt: skip
+    resumed, _ = curves(
+        pool.run(train_scenarios.train, argv=[*args, "--job.dump_folder", str(tmp_path / "b")])[0]
+    )
     assert {s: resumed[s] for s in range(5, 9)} == {s: losses[s] for s in range(5, 9)}
 
     shutil.rmtree(tmp_path / "b" / "checkpoint" / "step-8")
     one = get_pool(1)
-    status = one.run(train_scenarios.main, argv=[*args, "--job.config_file", DEBUG_CONFIG,
-                                                  "--job.dump_folder", str(tmp_path / "b")])  # fmt: skip
+    status = one.run(
+        train_scenarios.main,
+        argv=[*args, "--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path / "b")],
+    )
     message = [line for line in one.last_output[0].splitlines() if "saved per rank" in line]
     assert status == [2] and len(message) == 1, one.last_output[0][-3000:]
     assert "by 2 data-parallel ranks (training.split_by_rank), this run has 1" in message[0]

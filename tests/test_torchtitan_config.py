@@ -209,7 +209,10 @@ def test_debug_model_converts() -> None:
     conv = converted(TT_DEBUG)
     c = conv.config
     assert conv.blocking == []
-    assert c["job"] == {"dump_folder": "./runs/tt_debug", "description": "small llama for a smoke test"}  # fmt: skip
+    assert c["job"] == {
+        "dump_folder": "./runs/tt_debug",
+        "description": "small llama for a smoke test",
+    }
     # TorchTitan's debugmodel shape, and its 2048-row embedding since a tokenizer is named
     assert c["model"] == {
         "name": "llama3",
@@ -222,7 +225,12 @@ def test_debug_model_converts() -> None:
         "multiple_of": 256,
     }
     assert c["optimizer"] == {"name": "AdamW", "lr": 1e-3, "eps": 1e-7}
-    assert c["lr_scheduler"] == {"warmup_steps": 3, "decay_ratio": 0.5, "decay_type": "cosine", "min_lr_factor": 0.05}  # fmt: skip
+    assert c["lr_scheduler"] == {
+        "warmup_steps": 3,
+        "decay_ratio": 0.5,
+        "decay_type": "cosine",
+        "min_lr_factor": 0.05,
+    }
     t = c["training"]
     assert (t["steps"], t["local_batch_size"], t["seq_len"], t["max_norm"]) == (30, 4, 512, 0.5)
     assert t["dataset"] == "sotu" and "dataset_path" not in t
@@ -242,7 +250,12 @@ def test_debug_model_converts() -> None:
     }
     assert c["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "3"}
     assert c["compile"] == {"enable": True}
-    assert c["metrics"] == {"log_freq": 2, "enable_wandb": False, "enable_tensorboard": False, "tensorboard_folder": "board"}  # fmt: skip
+    assert c["metrics"] == {
+        "log_freq": 2,
+        "enable_wandb": False,
+        "enable_tensorboard": False,
+        "tensorboard_folder": "board",
+    }
     assert c["profiling"]["save_traces_folder"] == "traces"
     assert c["validation"] == {"enable": True, "freq": 10, "steps": 4}
     # the degrees at 1, the float8 settings without converters: accepted silently; TorchTitan
@@ -262,7 +275,12 @@ def test_8b_converts() -> None:
     conv = converted(TT_8B)
     c = conv.config
     assert conv.blocking == [] and conv.dropped == []
-    assert c["model"] == {"name": "llama3", "flavor": "8B", "tokenizer_path": "/models/Llama-3.1-8B", "vocab_size": 128256}  # fmt: skip
+    assert c["model"] == {
+        "name": "llama3",
+        "flavor": "8B",
+        "tokenizer_path": "/models/Llama-3.1-8B",
+        "vocab_size": 128256,
+    }
     assert c["optimizer"]["lr"] == 2e-4 and c["lr_scheduler"] == {"warmup_steps": 100}
     t = c["training"]
     assert (t["steps"], t["local_batch_size"], t["seq_len"]) == (2000, 2, 4096)
@@ -279,7 +297,11 @@ def test_8b_converts() -> None:
     assert c["checkpoint"]["interval"] == 250 and c["checkpoint"]["last_save_model_only"] is True
     assert c["activation_checkpoint"] == {"mode": "full", "selective_ac_option": "op"}
     assert c["metrics"]["enable_tensorboard"] is True
-    assert c["profiling"] == {"enable_profiling": True, "profile_freq": 50, "save_traces_folder": "profile_trace"}  # fmt: skip
+    assert c["profiling"] == {
+        "enable_profiling": True,
+        "profile_freq": 50,
+        "save_traces_folder": "profile_trace",
+    }
 
 
 def test_renamed_keys_and_defaults() -> None:
@@ -311,11 +333,11 @@ def test_without_tokenizer_the_vocabulary_follows_titanlite_default() -> None:
         (
             '[parallelism]\npipeline_parallel_schedule = "DualPipeV"\n',
             "parallelism.pipeline_parallel_schedule",
-        ),  # fmt: skip
+        ),
         (
             "[checkpoint]\ninitial_load_in_hf_quantized = true\n",
             "checkpoint.initial_load_in_hf_quantized",
-        ),  # fmt: skip
+        ),
         ('[model]\nname = "llama4"\nflavor = "17bx16e"\n', "model.name"),
         ('[model]\nname = "deepseek_v3"\nflavor = "1T"\n', "model.flavor"),
         ('[model]\nname = "qwen3"\nflavor = "72B"\n', "model.flavor"),
@@ -336,11 +358,63 @@ def test_blocking(text: str, key: str) -> None:
 # must become. All route softmax top-k renormalized, with no shared expert, and balance by a
 # routing bias moved 1e-3 a step (load_balance_coeff) without an auxiliary loss.
 TT_QWEN3_MOE = {
-    "debugmodel_moe": ("debugmodel", {"dim": 256, "n_layers": 8, "n_heads": 16, "n_kv_heads": 8, "head_dim": 128, "num_experts": 64, "top_k": 8, "moe_hidden_dim": 768, "rope_theta": 1e6, "tie_embeddings": False, "vocab_size": 2048}),
-    "30B-A3B": ("30B-A3B", {"dim": 2048, "n_layers": 48, "n_heads": 32, "n_kv_heads": 4, "head_dim": 128, "num_experts": 128, "top_k": 8, "moe_hidden_dim": 768, "rope_theta": 1e6, "tie_embeddings": False, "vocab_size": 151936}),
-    "235B-A22B": ("235B-A22B", {"dim": 4096, "n_layers": 94, "n_heads": 64, "n_kv_heads": 4, "head_dim": 128, "num_experts": 128, "top_k": 8, "moe_hidden_dim": 1536, "rope_theta": 5e6, "tie_embeddings": False, "vocab_size": 151936}),
-}  # fmt: skip
-TT_MOE_ROUTING = {"score_func": "softmax", "norm_topk": True, "shared_experts": 0, "norm_eps": 1e-6, "aux_loss_coef": 0.0, "bias_update_rate": 1e-3}  # fmt: skip
+    "debugmodel_moe": (
+        "debugmodel",
+        {
+            "dim": 256,
+            "n_layers": 8,
+            "n_heads": 16,
+            "n_kv_heads": 8,
+            "head_dim": 128,
+            "num_experts": 64,
+            "top_k": 8,
+            "moe_hidden_dim": 768,
+            "rope_theta": 1e6,
+            "tie_embeddings": False,
+            "vocab_size": 2048,
+        },
+    ),
+    "30B-A3B": (
+        "30B-A3B",
+        {
+            "dim": 2048,
+            "n_layers": 48,
+            "n_heads": 32,
+            "n_kv_heads": 4,
+            "head_dim": 128,
+            "num_experts": 128,
+            "top_k": 8,
+            "moe_hidden_dim": 768,
+            "rope_theta": 1e6,
+            "tie_embeddings": False,
+            "vocab_size": 151936,
+        },
+    ),
+    "235B-A22B": (
+        "235B-A22B",
+        {
+            "dim": 4096,
+            "n_layers": 94,
+            "n_heads": 64,
+            "n_kv_heads": 4,
+            "head_dim": 128,
+            "num_experts": 128,
+            "top_k": 8,
+            "moe_hidden_dim": 1536,
+            "rope_theta": 5e6,
+            "tie_embeddings": False,
+            "vocab_size": 151936,
+        },
+    ),
+}
+TT_MOE_ROUTING = {
+    "score_func": "softmax",
+    "norm_topk": True,
+    "shared_experts": 0,
+    "norm_eps": 1e-6,
+    "aux_loss_coef": 0.0,
+    "bias_update_rate": 1e-3,
+}
 
 
 @pytest.mark.parametrize("tt_flavor", list(TT_QWEN3_MOE))
@@ -364,19 +438,102 @@ def test_qwen3_moe_flavors_convert_to_qwen3_moe_with_torchtitan_shape(tt_flavor:
 # TorchTitan v0.2's deepseek_v3 flavors (torchtitan/models/deepseek_v3/__init__.py): the
 # shape each must become, and the RoPE it trains with at training.seq_len (YaRN x40 past 4096).
 TT_DSV3 = {
-    "debugmodel": ("debugmodel", {"dim": 256, "n_layers": 6, "n_heads": 16, "q_lora_rank": 0, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "dense_hidden_dim": 1024, "first_k_dense": 1, "num_experts": 8, "top_k": 3, "moe_hidden_dim": 256, "shared_experts": 2, "score_func": "softmax", "norm_topk": False, "n_groups": 1, "route_scale": 1.0, "tie_embeddings": False, "rope_mscale_all_dim": 0.7, "vocab_size": 2048}),
-    "16B": ("16B", {"dim": 2048, "n_layers": 27, "n_heads": 16, "q_lora_rank": 0, "dense_hidden_dim": 10944, "num_experts": 64, "top_k": 6, "moe_hidden_dim": 1408, "shared_experts": 2, "score_func": "softmax", "norm_topk": False, "n_groups": 1, "rope_mscale_all_dim": 0.7, "vocab_size": 102400}),
-    "236B": ("671B", {"dim": 5120, "n_layers": 60, "n_heads": 128, "q_lora_rank": 1536, "dense_hidden_dim": 12288, "first_k_dense": 1, "num_experts": 160, "top_k": 6, "moe_hidden_dim": 1536, "shared_experts": 2, "score_func": "softmax", "norm_topk": False, "n_groups": 8, "topk_groups": 3, "route_scale": 16.0, "rope_mscale_all_dim": 1.0, "vocab_size": 102400}),
-    "671B": ("671B", {"dim": 7168, "n_layers": 61, "n_heads": 128, "first_k_dense": 3, "num_experts": 256, "top_k": 8, "shared_experts": 1, "score_func": "sigmoid", "norm_topk": True, "n_groups": 8, "topk_groups": 4, "route_scale": 2.5, "vocab_size": 129280}),
-}  # fmt: skip
+    "debugmodel": (
+        "debugmodel",
+        {
+            "dim": 256,
+            "n_layers": 6,
+            "n_heads": 16,
+            "q_lora_rank": 0,
+            "kv_lora_rank": 512,
+            "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 128,
+            "dense_hidden_dim": 1024,
+            "first_k_dense": 1,
+            "num_experts": 8,
+            "top_k": 3,
+            "moe_hidden_dim": 256,
+            "shared_experts": 2,
+            "score_func": "softmax",
+            "norm_topk": False,
+            "n_groups": 1,
+            "route_scale": 1.0,
+            "tie_embeddings": False,
+            "rope_mscale_all_dim": 0.7,
+            "vocab_size": 2048,
+        },
+    ),
+    "16B": (
+        "16B",
+        {
+            "dim": 2048,
+            "n_layers": 27,
+            "n_heads": 16,
+            "q_lora_rank": 0,
+            "dense_hidden_dim": 10944,
+            "num_experts": 64,
+            "top_k": 6,
+            "moe_hidden_dim": 1408,
+            "shared_experts": 2,
+            "score_func": "softmax",
+            "norm_topk": False,
+            "n_groups": 1,
+            "rope_mscale_all_dim": 0.7,
+            "vocab_size": 102400,
+        },
+    ),
+    "236B": (
+        "671B",
+        {
+            "dim": 5120,
+            "n_layers": 60,
+            "n_heads": 128,
+            "q_lora_rank": 1536,
+            "dense_hidden_dim": 12288,
+            "first_k_dense": 1,
+            "num_experts": 160,
+            "top_k": 6,
+            "moe_hidden_dim": 1536,
+            "shared_experts": 2,
+            "score_func": "softmax",
+            "norm_topk": False,
+            "n_groups": 8,
+            "topk_groups": 3,
+            "route_scale": 16.0,
+            "rope_mscale_all_dim": 1.0,
+            "vocab_size": 102400,
+        },
+    ),
+    "671B": (
+        "671B",
+        {
+            "dim": 7168,
+            "n_layers": 61,
+            "n_heads": 128,
+            "first_k_dense": 3,
+            "num_experts": 256,
+            "top_k": 8,
+            "shared_experts": 1,
+            "score_func": "sigmoid",
+            "norm_topk": True,
+            "n_groups": 8,
+            "topk_groups": 4,
+            "route_scale": 2.5,
+            "vocab_size": 129280,
+        },
+    ),
+}
 
 
 @pytest.mark.parametrize("seq_len", [2048, 8192])
 @pytest.mark.parametrize("tt_flavor", list(TT_DSV3))
 def test_deepseek_v3_flavors_convert_with_torchtitan_shape(tt_flavor: str, seq_len: int) -> None:
     flavor, shape = TT_DSV3[tt_flavor]
-    text = (f'[model]\nname = "deepseek_v3"\nflavor = "{tt_flavor}_flex_attn"\n'
-            f'hf_assets_path = "tok"\n[training]\nseq_len = {seq_len}\n')  # fmt: skip
+    text = (
+        f'[model]\nname = "deepseek_v3"\nflavor = "{tt_flavor}_flex_attn"\n'
+        f'hf_assets_path = "tok"\n[training]\nseq_len = {seq_len}\n'
+    )
     conv = converted(text)
     assert conv.blocking == []
     model = dict(conv.config["model"])
@@ -397,7 +554,20 @@ TT_GPT_OSS = {
     "20b": {"dim": 2880, "n_layers": 24, "num_experts": 32},
     "120b": {"dim": 2880, "n_layers": 36, "num_experts": 128},
 }
-TT_GPT_OSS_COMMON = {"n_heads": 64, "n_kv_heads": 8, "head_dim": 64, "top_k": 4, "moe_hidden_dim": 2880, "sliding_window": 128, "window_pattern": "LG", "attention_sinks": True, "rope_theta": 150000.0, "vocab_size": 201088, **TT_MOE_ROUTING, "norm_eps": 1e-5}  # fmt: skip
+TT_GPT_OSS_COMMON = {
+    "n_heads": 64,
+    "n_kv_heads": 8,
+    "head_dim": 64,
+    "top_k": 4,
+    "moe_hidden_dim": 2880,
+    "sliding_window": 128,
+    "window_pattern": "LG",
+    "attention_sinks": True,
+    "rope_theta": 150000.0,
+    "vocab_size": 201088,
+    **TT_MOE_ROUTING,
+    "norm_eps": 1e-5,
+}
 
 
 @pytest.mark.parametrize("flavor", list(TT_GPT_OSS))
@@ -407,8 +577,10 @@ def test_gpt_oss_flavors_convert_with_torchtitan_shape(flavor: str) -> None:
     assert conv.blocking == [] and "model.flavor" not in dropped_keys(conv)
     model = dict(conv.config["model"])
     assert (model.pop("name"), model.pop("flavor"), model.pop("tokenizer_path")) == (
-        "gpt_oss", flavor, "tok",
-    )  # fmt: skip
+        "gpt_oss",
+        flavor,
+        "tok",
+    )
     args = REGISTRY["gpt_oss"].make_args(flavor, model.pop("vocab_size"), 4096, model)
     expected = TT_GPT_OSS[flavor] | TT_GPT_OSS_COMMON
     assert {key: getattr(args, key) for key in expected} == expected
@@ -488,8 +660,12 @@ def test_torchtitan_moe_config_runs_as_is(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("name", "flavor", "key"),
-    [("llama4", "17bx16e", "model.name"), ("qwen3", "72B", "model.flavor"), ("llama3", "debugmodel_moe", "model.flavor")],
-)  # fmt: skip
+    [
+        ("llama4", "17bx16e", "model.name"),
+        ("qwen3", "72B", "model.flavor"),
+        ("llama3", "debugmodel_moe", "model.flavor"),
+    ],
+)
 def test_refusals_list_the_registry_families(
     name: str, flavor: str, key: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -543,7 +719,12 @@ def test_unknown_and_unsupported_keys_are_dropped_with_advice() -> None:
         '[activation_checkpoint]\nmode = "memory_budget"\n[model]\nflavor = "debugmodel_flex_attn"\n'
     )
     assert conv.blocking == []
-    assert {"training.dtype", "training.bogus", "activation_checkpoint.mode", "model.flavor"} <= dropped_keys(conv)  # fmt: skip
+    assert {
+        "training.dtype",
+        "training.bogus",
+        "activation_checkpoint.mode",
+        "model.flavor",
+    } <= dropped_keys(conv)
     assert "training.dataloader.num_workers" not in dropped_keys(conv)
     assert conv.config["model"]["flavor"] == "debugmodel"
     assert "mode" not in conv.config.get("activation_checkpoint", {})
@@ -712,22 +893,52 @@ def test_torchtitan_debug_config_trains_as_is(model: str, tmp_path: Path) -> Non
     tokenizer = torchtitan_tokenizer(tmp_path / "debug_tokenizer")
     text = TT_DEBUG if model == "llama3" else TT_MOE_DEBUG
     if model == "deepseek_v3":
-        text = text.replace('name = "qwen3"\nflavor = "debugmodel_moe"',
-                            'name = "deepseek_v3"\nflavor = "debugmodel"')  # fmt: skip
+        text = text.replace(
+            'name = "qwen3"\nflavor = "debugmodel_moe"',
+            'name = "deepseek_v3"\nflavor = "debugmodel"',
+        )
     source = tmp_path / "tt.toml"
     source.write_text(text.replace("./assets/debug_tokenizer", str(tokenizer)))
     argv = [
-        "--job.config_file", str(source), "--job.dump_folder", str(tmp_path / "run"),
-        "--training.steps", "2", "--training.seq_len", "64", "--training.local_batch_size", "2",
-        "--training.mixed_precision_param", "float32", "--compile.enable", "false",
-        "--validation.steps", "1",
-    ]  # fmt: skip
+        "--job.config_file",
+        str(source),
+        "--job.dump_folder",
+        str(tmp_path / "run"),
+        "--training.steps",
+        "2",
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "2",
+        "--training.mixed_precision_param",
+        "float32",
+        "--compile.enable",
+        "false",
+        "--validation.steps",
+        "1",
+    ]
     if model != "llama3":
-        argv += ["--model.n_layers", "2", "--model.num_experts", "4", "--model.top_k", "2",
-                 "--model.moe_hidden_dim", "64"]  # fmt: skip
+        argv += [
+            "--model.n_layers",
+            "2",
+            "--model.num_experts",
+            "4",
+            "--model.top_k",
+            "2",
+            "--model.moe_hidden_dim",
+            "64",
+        ]
     if model == "deepseek_v3":
-        argv += ["--model.kv_lora_rank", "32", "--model.qk_nope_head_dim", "16",
-                 "--model.qk_rope_head_dim", "8", "--model.v_head_dim", "16"]  # fmt: skip
+        argv += [
+            "--model.kv_lora_rank",
+            "32",
+            "--model.qk_nope_head_dim",
+            "16",
+            "--model.qk_rope_head_dim",
+            "8",
+            "--model.v_head_dim",
+            "16",
+        ]
     run = get_pool(2).run(train_scenarios.train, argv=argv)[0]
     losses = [r["loss"] for r in run["records"] if "loss" in r]
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
@@ -765,6 +976,9 @@ def test_float8_converters_map_to_titanlites_float8_with_torchtitans_defaults() 
     }
     older = converted('[model]\nconverters = ["float8"]\n[float8]\nemulate = true\n')
     assert older.config["float8"] == {
-        "recipe": "tensorwise", "filter_fqns": [], "auto_filter_small": False, "emulate": True
-    }  # fmt: skip
+        "recipe": "tensorwise",
+        "filter_fqns": [],
+        "auto_filter_small": False,
+        "emulate": True,
+    }
     assert not blocking_keys(older)

@@ -16,8 +16,15 @@ from titanlite.config.parse import tomllib
 pytestmark = pytest.mark.slow
 
 REQUIRED_FIELDS = {
-    "step", "loss", "grad_norm", "lr", "tps", "mfu_pct", "mem_peak_gib", "tokens_seen",
-}  # fmt: skip
+    "step",
+    "loss",
+    "grad_norm",
+    "lr",
+    "tps",
+    "mfu_pct",
+    "mem_peak_gib",
+    "tokens_seen",
+}
 STEPS = 20  # of the default config's 100
 # Two processes through the launcher against one process: test_cluster's plain-torchrun test
 # (and test_interrupts' torchrun runs, bit-identical to the same layout on the pool).
@@ -31,10 +38,16 @@ def test_default_run_learns_and_writes_its_outputs(tmp_path: Path) -> None:
     suite; the full run is measured in BENCHMARKS.md."""
     out = tmp_path / "run"
     result = run_train(
-        tmp_path, "--job.dump_folder", str(out), "--metrics.enable_wandb",
-        "--training.steps", str(STEPS), "--validation.freq", str(STEPS // 2),
+        tmp_path,
+        "--job.dump_folder",
+        str(out),
+        "--metrics.enable_wandb",
+        "--training.steps",
+        str(STEPS),
+        "--validation.freq",
+        str(STEPS // 2),
         WANDB_MODE="offline",
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     train, val = read_metrics(out)
     assert [r["step"] for r in train][:2] == [1, 10]
@@ -117,12 +130,27 @@ def test_error_found_inside_the_ranks_still_exits_2(tmp_path: Path) -> None:
 
 def test_divergence_stops_with_a_message_and_status_3(tmp_path: Path) -> None:
     result = run_train(
-        tmp_path, "--optimizer.lr", "1e30", "--lr_scheduler.warmup_steps", "0",
-        "--training.max_norm", "0", "--training.steps", "20", "--metrics.log_freq", "1",
-        "--job.dump_folder", str(tmp_path / "run"),
+        tmp_path,
+        "--optimizer.lr",
+        "1e30",
+        "--lr_scheduler.warmup_steps",
+        "0",
+        "--training.max_norm",
+        "0",
+        "--training.steps",
+        "20",
+        "--metrics.log_freq",
+        "1",
+        "--job.dump_folder",
+        str(tmp_path / "run"),
         # The debug model at two blocks on short sequences: it diverges as the full one does.
-        "--model.n_layers", "2", "--training.seq_len", "64", "--training.local_batch_size", "2",
-    )  # fmt: skip
+        "--model.n_layers",
+        "2",
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "2",
+    )
     assert result.returncode == 3, result.stderr[-2000:]
     assert "non-finite" in result.stderr.strip().splitlines()[-1]
 
@@ -130,8 +158,16 @@ def test_divergence_stops_with_a_message_and_status_3(tmp_path: Path) -> None:
 def test_help_lists_every_section(tmp_path: Path) -> None:
     result = run_train(tmp_path, "--help")
     assert result.returncode == 0
-    for section in ("[job]", "[model]", "[optimizer]", "[lr_scheduler]", "[training]",
-                    "[parallelism]", "[metrics]", "[validation]"):  # fmt: skip
+    for section in (
+        "[job]",
+        "[model]",
+        "[optimizer]",
+        "[lr_scheduler]",
+        "[training]",
+        "[parallelism]",
+        "[metrics]",
+        "[validation]",
+    ):
         assert section in result.stdout
 
 

@@ -13,7 +13,7 @@ from conftest import REPO
 from torch import nn
 
 from titanlite.config import ConfigError, load_config
-from titanlite.ema import WeightAverage
+from titanlite.training.ema import WeightAverage
 
 
 def test_the_average_follows_the_weights_update_by_update() -> None:
@@ -123,12 +123,31 @@ def test_a_sharded_average_equals_the_direct_one_and_exports_to_transformers(
     from titanlite.interop.checkpoint_model import load_checkpoint_model
 
     argv = [
-        "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4",
-        "--model.n_kv_heads", "4", "--training.seq_len", "64", "--training.steps", str(STEPS),
-        "--training.local_batch_size", "2", "--parallelism.data_parallel_shard_degree", "2",
-        "--validation.enable", "false", "--checkpoint.interval", str(STEPS),
-        "--training.ema_decay", str(DECAY), "--job.dump_folder", str(tmp_path / "run"),
-    ]  # fmt: skip
+        "--model.dim",
+        "64",
+        "--model.n_layers",
+        "2",
+        "--model.n_heads",
+        "4",
+        "--model.n_kv_heads",
+        "4",
+        "--training.seq_len",
+        "64",
+        "--training.steps",
+        str(STEPS),
+        "--training.local_batch_size",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "2",
+        "--validation.enable",
+        "false",
+        "--checkpoint.interval",
+        str(STEPS),
+        "--training.ema_decay",
+        str(DECAY),
+        "--job.dump_folder",
+        str(tmp_path / "run"),
+    ]
     ranks = get_pool(2).run(stability_scenarios.train_with_weight_snapshots, argv=argv)
     assert all(r["sharded"] for r in ranks)
     run = ranks[0]
@@ -183,9 +202,13 @@ def write_step(folder: Path, *, seed: int, dim: int = 64) -> Path:
     state = {"model": model.state_dict(), "optimizer": {"x": torch.ones(2)}}
     dcp.save(state, checkpoint_id=str(folder))
     sidecar = {
-        "format": 2, "step": seed, "model_name": "llama3", "model_only": False,
-        "model_args": dataclasses.asdict(args), "tokenizer": str(DEFAULT_TOKENIZER_PATH),
-    }  # fmt: skip
+        "format": 2,
+        "step": seed,
+        "model_name": "llama3",
+        "model_only": False,
+        "model_args": dataclasses.asdict(args),
+        "tokenizer": str(DEFAULT_TOKENIZER_PATH),
+    }
     (folder / "titanlite.json").write_text(json.dumps(sidecar))
     return folder
 

@@ -63,7 +63,7 @@ def train_until_preempted(rank: int, world: int, argv: list[str], stop_at: int) 
     import signal
 
     from titanlite.errors import Preempted
-    from titanlite.stop_vote import PREEMPTED
+    from titanlite.runtime.stop_vote import PREEMPTED
 
     cfg = load_config(["--job.config_file", DEBUG_CONFIG, *argv])
     trainer = Trainer(cfg)
@@ -176,7 +176,7 @@ def validate_twice(
 ) -> list[dict] | None:
     """Two validation passes on the initial weights (``cache_bytes``: another size of the
     kept-batches cache); rank 0 returns both records."""
-    import titanlite.validate as validate_module
+    import titanlite.training.validate as validate_module
 
     cfg = load_config(["--job.config_file", DEBUG_CONFIG, "--checkpoint.enable=false", *argv])
     trainer = Trainer(cfg)
@@ -214,8 +214,13 @@ class _HostReads(torch.overrides.TorchFunctionMode):
 
 
 # Frames that only pass a call on: this module's wrappers and torch's dispatch plumbing.
-_PLUMBING = ("train_scenarios", "torch.overrides", "torch.distributed.c10d_logger",
-             "torch.distributed.distributed_c10d", "torch.utils._python_dispatch")  # fmt: skip
+_PLUMBING = (
+    "train_scenarios",
+    "torch.overrides",
+    "torch.distributed.c10d_logger",
+    "torch.distributed.distributed_c10d",
+    "torch.utils._python_dispatch",
+)
 
 
 def _call_site() -> str:
@@ -235,11 +240,26 @@ def _call_site() -> str:
 
 
 COLLECTIVES = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
-    "reduce_scatter", "broadcast", "barrier", "all_to_all_single", "all_gather_object",
-    "broadcast_object_list", "send", "recv", "isend", "irecv", "batch_isend_irecv", "gather",
-    "scatter", "reduce", "monitored_barrier",
-)  # fmt: skip
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "reduce_scatter",
+    "broadcast",
+    "barrier",
+    "all_to_all_single",
+    "all_gather_object",
+    "broadcast_object_list",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+    "gather",
+    "scatter",
+    "reduce",
+    "monitored_barrier",
+)
 
 
 def step_work(

@@ -195,7 +195,11 @@ def check_eval(cfg: JobConfig, problems: Problems) -> None:
     from titanlite.downstream.tasks import read_task
 
     e = cfg.eval
-    for key, value, least in (("freq", e.freq, 1), ("batch_size", e.batch_size, 1), ("limit", e.limit, 0)):  # fmt: skip
+    for key, value, least in (
+        ("freq", e.freq, 1),
+        ("batch_size", e.batch_size, 1),
+        ("limit", e.limit, 0),
+    ):
         if value < least:
             problems.add(f"eval.{key}: must be at least {least}, got {value}")
     for name in e.tasks:

@@ -34,16 +34,16 @@ from titanlite.config import (
 )
 from titanlite.config.layout import Degrees, PipelinePlan, pipeline_plan
 from titanlite.dtypes import DTYPES
-from titanlite.loss import TrainingLoss
-from titanlite.metrics import local_bytes
+from titanlite.metrics.loggers import local_bytes
+from titanlite.metrics.moe_tracker import MoETracker
 from titanlite.models import moe
 from titanlite.models.interfaces import AttentionCore, find
 from titanlite.models.layers import count_params
-from titanlite.moe_tracker import MoETracker
-from titanlite.parallel.context import kv_rows_kept
+from titanlite.parallel.context.attention import kv_rows_kept
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.materialize import materialize
 from titanlite.parallel.parallelize import parallelize
+from titanlite.training.loss import TrainingLoss
 
 # fp32 master weights, fp32 gradients, and AdamW's two fp32 moments.
 BYTES_PER_PARAM = {"params": 4, "grads": 4, "optimizer": 8}
@@ -68,7 +68,7 @@ def dry_run(cfg: JobConfig, world_size: int, tokenizer_vocab: int) -> str:
             for block in getattr(model, spec.blocks).values()
             for core in find(block, AttentionCore)
             if not core.recurrent  # linear attention passes a state, no keys
-        ]  # fmt: skip
+        ]
         # Under pipeline parallelism a rank holds only its stages: those are what it sizes.
         parts = parallelize(
             model,
@@ -85,9 +85,10 @@ def dry_run(cfg: JobConfig, world_size: int, tokenizer_vocab: int) -> str:
         ).parts
         plan = pipeline_plan(cfg.parallelism, degrees, args.n_layers, cfg.training.local_batch_size)
         pipeline_lines = (
-            _pipeline_lines(cfg, spec, args, plan, dims=dims, kv_windows=kv_windows) if plan
+            _pipeline_lines(cfg, spec, args, plan, dims=dims, kv_windows=kv_windows)
+            if plan
             else _activation_lines(cfg, spec, args, dims, kv_windows=kv_windows)
-        )  # fmt: skip
+        )
         params = list({id(p): p for part in parts for p in part.parameters()}.values())
         local_numel = local_bytes(params) // 4  # still float32 on meta
         accum = gradient_accumulation_steps(cfg, degrees)
@@ -196,9 +197,11 @@ def _all_to_all_line(
     # A checkpointed block's forward runs again in backward, all-to-alls included.
     recomputed = sum(
         isinstance(m, moe.MoE)
-        for part in parts for wrapper in part.modules() if isinstance(wrapper, CheckpointWrapper)
+        for part in parts
+        for wrapper in part.modules()
+        if isinstance(wrapper, CheckpointWrapper)
         for m in wrapper.modules()
-    )  # fmt: skip
+    )
     # Each rank routes its own tokens: its share of each sequence under context parallelism,
     # and under tensor parallelism its sequence shard (the MoE runs on "local_tokens").
     tokens = cfg.training.local_batch_size * accum * cfg.training.seq_len // (d.cp * d.tp)

@@ -69,8 +69,10 @@ class Interrupted(RuntimeError):
     @classmethod
     def at(cls, where: str, saved: bool) -> Interrupted:
         """Stopped ``where`` ("at step 7", "during start-up, before step 1"), ``saved`` or not."""
-        return cls(f"interrupted (Ctrl-C) {where}; "
-                   f"{'checkpoint saved' if saved else 'nothing new to save'}")  # fmt: skip
+        return cls(
+            f"interrupted (Ctrl-C) {where}; "
+            f"{'checkpoint saved' if saved else 'nothing new to save'}"
+        )
 
 
 def resume_line(stop: Exception) -> str:

@@ -6,7 +6,7 @@ run_train.sh calls this first, with the world size it is about to launch in WORL
 that a typo or an impossible layout is one line and exit status 2 instead of a crash in
 every rank. The checks themselves live in titanlite.checks (the trainer runs them again).
 A dry run (--job.dry_run) is done here, in this one process, and nothing is launched.
-A dump folder held by a live run (titanlite.run_lock) is refused here too, before anything
+A dump folder held by a live run (titanlite.runtime.run_lock) is refused here too, before anything
 starts; the trainer takes the lock itself, for its whole life. With
 TITANLITE_DUMP_FOLDER_FILE set, a run that may go ahead writes its dump folder (absolute)
 into that file: run_train.sh keeps torchrun's per-rank logs there.
@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import sys
 
-from titanlite import run_lock
 from titanlite.checks import check
 from titanlite.config import load_config
 from titanlite.errors import (
@@ -28,6 +27,7 @@ from titanlite.errors import (
     UserError,
     error_lines,
 )
+from titanlite.runtime import run_lock
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,6 @@ try:
     import os
     import signal
 
-    from titanlite import run_lock, stop_signals
     from titanlite.errors import (
         EXIT_COMM_FAILURE,
         EXIT_DIVERGED,
@@ -37,6 +36,7 @@ try:
         error_lines,
         resume_line,
     )
+    from titanlite.runtime import run_lock, stop_signals
 except KeyboardInterrupt:  # Ctrl-C before main() can install the handlers: the same line
     if __name__ != "__main__":
         raise
@@ -84,9 +84,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(argv: list[str]) -> int:
     """Load the config and train (or dry-run); an exit status of titanlite.errors."""
-    from titanlite import distributed
     from titanlite.config import load_config
-    from titanlite.heartbeat import CommFailure, failure_message, is_comm_failure
+    from titanlite.runtime import distributed
+    from titanlite.runtime.heartbeat import CommFailure, failure_message, is_comm_failure
 
     distributed.setup_logging()
     trainer = None

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from titanlite import converters, distributed, heartbeat, run_info, run_lock
+from titanlite import converters
 from titanlite.checkpoint.checkpointer import Checkpointer, ModelIdentity, will_load_weights
 from titanlite.checkpoint.states import TrainState, build_states
 from titanlite.checks import build_model_args, check
@@ -28,19 +28,21 @@ from titanlite.data.build import build_training_data
 from titanlite.data.documents import DocumentMask
 from titanlite.downstream.evaluator import Evaluator
 from titanlite.dtypes import DTYPES
-from titanlite.ema import WeightAverage
-from titanlite.loss import StepLoss, TrainingLoss
-from titanlite.metrics import format_duration, model_state_bytes
+from titanlite.metrics import run_info
+from titanlite.metrics.loggers import format_duration, model_state_bytes
+from titanlite.metrics.moe_tracker import MoETracker
+from titanlite.metrics.profiling import profiling
 from titanlite.models.layers import count_params
-from titanlite.moe_tracker import MoETracker
 from titanlite.optim import build_optimizers, clip_grad_norm_, step_metrics
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.parallelize import parallelize
 from titanlite.parallel.pipeline import tied_copy
-from titanlite.profiling import profiling
-from titanlite.stability import SpikeGuard, finite_or_guarded
-from titanlite.stop_vote import StopVote
-from titanlite.validate import Validator
+from titanlite.runtime import distributed, heartbeat, run_lock
+from titanlite.runtime.stop_vote import StopVote
+from titanlite.training.ema import WeightAverage
+from titanlite.training.loss import StepLoss, TrainingLoss
+from titanlite.training.stability import SpikeGuard, finite_or_guarded
+from titanlite.training.validate import Validator
 
 logger = logging.getLogger("titanlite.train")
 
@@ -58,9 +60,9 @@ class Trainer:
         self.vote = StopVote(world_size, c.interval_minutes if c.enable else 0.0)
         self.tokenizer = check(cfg, world_size)
         self.dist = distributed.init(t.seed, cfg.comm.init_timeout_seconds)
-        # One run per dump folder (titanlite.run_lock), before anything is written there.
+        # One run per dump folder (titanlite.runtime.run_lock), before anything is written there.
         run_lock.take_for_run(cfg.job.dump_folder, self.dist, cfg.comm.init_timeout_seconds)
-        # Who is alive, for naming a lost rank when a collective fails (titanlite.heartbeat).
+        # Who is alive, for naming a lost rank when a collective fails (titanlite.runtime.heartbeat).
         self.heartbeat = heartbeat.Heartbeat(
             self.dist.rank, self.dist.world_size, cfg.comm.init_timeout_seconds
         )
@@ -78,9 +80,12 @@ class Trainer:
 
         # 2. Data: each rank reads its share of the same global batches.
         self.data = build_training_data(
-            self.tokenizer, t, cfg.validation,
-            dp_rank=self.dims.batch_rank, dp_world_size=self.dims.batch_size,
-        )  # fmt: skip
+            self.tokenizer,
+            t,
+            cfg.validation,
+            dp_rank=self.dims.batch_rank,
+            dp_world_size=self.dims.batch_size,
+        )
         self.startup.mark("data")
 
         # 3. Model: meta device -> converters and parallelisms -> allocate and initialize the
@@ -98,30 +103,48 @@ class Trainer:
             documents = DocumentMask(bos, eos, t.document_positions)
         self.loss = TrainingLoss.of(t.z_loss_weight, self.model_args)  # (+ z, MTP): loss.py
         self.model = parallelize(
-            model, self.spec, self.model_args, self.dims,
-            parallelism=cfg.parallelism, training=t, activation_checkpoint=cfg.activation_checkpoint,
-            compile=cfg.compile, device=self.device, loss_sum=self.loss,
+            model,
+            self.spec,
+            self.model_args,
+            self.dims,
+            parallelism=cfg.parallelism,
+            training=t,
+            activation_checkpoint=cfg.activation_checkpoint,
+            compile=cfg.compile,
+            device=self.device,
+            loss_sum=self.loss,
             converters=(model_converters := converters.build(cfg.model.converters, cfg)),
-            init_weights=not will_load_weights(c, checkpoint_folder), documents=documents,
-        )  # fmt: skip
+            init_weights=not will_load_weights(c, checkpoint_folder),
+            documents=documents,
+        )
         self.params = [p for part in self.model.parts for p in part.parameters() if p.requires_grad]
         # Under pipeline parallelism each rank holds some stages: norms add up over pp.
         self.stage_group = self.dims.group("pp") if degrees.pp > 1 else None
         # Mixture-of-experts layers: their balancing loss, routing-bias updates and metrics.
         self.moe = MoETracker.of(
-            self.model.parts, self.dims.group("tokens"), global_batch=self.global_batch,
-            grad_weight=self.dims.grad_average_size, stage_group=self.stage_group,
-            n_layers=MoETracker.layer_count(self.model_args), seq_len=t.seq_len,
-        )  # fmt: skip
+            self.model.parts,
+            self.dims.group("tokens"),
+            global_batch=self.global_batch,
+            grad_weight=self.dims.grad_average_size,
+            stage_group=self.stage_group,
+            n_layers=MoETracker.layer_count(self.model_args),
+            seq_len=t.seq_len,
+        )
         self.startup.mark("model")
 
         # 4. Optimization: one optimizer and schedule per model part (Muon: see optim/muon.py).
         replicated = degrees.dp_shard == 1 and degrees.dp_replicate * degrees.cp > 1
         self.optimizers, self.lr_schedulers, groups = build_optimizers(
-            self.model.parts, cfg.optimizer, cfg.lr_scheduler, total_steps=t.steps,
-            device=self.device, muon=cfg.muon, dims=self.dims, n_layers=self.model_args.n_layers,
+            self.model.parts,
+            cfg.optimizer,
+            cfg.lr_scheduler,
+            total_steps=t.steps,
+            device=self.device,
+            muon=cfg.muon,
+            dims=self.dims,
+            n_layers=self.model_args.n_layers,
             replica_group=self.dims.replica_group() if replicated else None,
-        )  # fmt: skip
+        )
         for converter in model_converters:  # e.g. float8's FSDP scales after each step
             converter.attach(self.model.parts, self.optimizers)
         self.state = TrainState()
@@ -130,18 +153,29 @@ class Trainer:
         # 5. Outputs: run.json, metrics, validation.
         self.dump_folder = Path(cfg.job.dump_folder)
         throughput = run_info.Throughput.of(
-            lambda n: self.spec.flops_per_token(self.model_args, n), t.seq_len,
-            self.device, DTYPES[t.mixed_precision_param],
-        )  # fmt: skip
+            lambda n: self.spec.flops_per_token(self.model_args, n),
+            t.seq_len,
+            self.device,
+            DTYPES[t.mixed_precision_param],
+        )
         if self.dist.is_main:
             facts = run_info.RunFacts(
-                model_name=self.spec.name, flavor=cfg.model.flavor, num_params=num_params,
-                active_params=self.active_params, world_size=self.dist.world_size, degrees=degrees,
-                global_batch_size=self.global_batch, gradient_accumulation_steps=self.accum_steps,
-                seq_len=t.seq_len, throughput=throughput, model_args=asdict(self.model_args),
-                tokenizer=self.tokenizer.path.as_posix(), init=self.model.materialize_stats,
-                optimizer_groups=groups, converters=list(cfg.model.converters),
-            )  # fmt: skip
+                model_name=self.spec.name,
+                flavor=cfg.model.flavor,
+                num_params=num_params,
+                active_params=self.active_params,
+                world_size=self.dist.world_size,
+                degrees=degrees,
+                global_batch_size=self.global_batch,
+                gradient_accumulation_steps=self.accum_steps,
+                seq_len=t.seq_len,
+                throughput=throughput,
+                model_args=asdict(self.model_args),
+                tokenizer=self.tokenizer.path.as_posix(),
+                init=self.model.materialize_stats,
+                optimizer_groups=groups,
+                converters=list(cfg.model.converters),
+            )
             run_info.write_run_files(self.dump_folder, to_toml(cfg), facts)
         self.metrics = run_info.metrics_logger(cfg, self.dump_folder, self.dist.is_main)
         self.step_logger = run_info.StepLogger(throughput, self.metrics, t.steps)
@@ -154,20 +188,29 @@ class Trainer:
         # 6. Checkpoints: everything resumable, registered once; resume exactly where the
         # latest complete checkpoint left off.
         renames = [tied_copy(part, self.spec, self.model_args) for part in self.model.parts]
-        self.ema = WeightAverage.of(self.model.parts, t.ema_decay, renames)  # titanlite/ema.py
+        self.ema = WeightAverage.of(
+            self.model.parts, t.ema_decay, renames
+        )  # titanlite/training/ema.py
         states = build_states(
-            self.model.parts, self.optimizers, self.lr_schedulers, self.data.loader,
-            train_state=self.state, renames=renames, ema=self.ema,
-        )  # fmt: skip
+            self.model.parts,
+            self.optimizers,
+            self.lr_schedulers,
+            self.data.loader,
+            train_state=self.state,
+            renames=renames,
+            ema=self.ema,
+        )
         self.checkpointer = Checkpointer(
-            states, c, checkpoint_folder,
+            states,
+            c,
+            checkpoint_folder,
             ModelIdentity(self.spec.name, asdict(self.model_args)),
             sidecar_fields={"tokenizer_source": cfg.model.tokenizer_path},
             is_main=self.dist.is_main,
             # The tokenizer travels inside: converting or generating from a checkpoint works
             # from any folder, wherever the original file was.
             write_files=lambda folder: {"tokenizer": self.tokenizer.copy_files(folder).name},
-        )  # fmt: skip
+        )
         if self.checkpointer.load():
             self.metrics.log(
                 {"step": self.state.step, "kind": "resume", "time": time.time()},
@@ -206,10 +249,17 @@ class Trainer:
                         terms = dict(zip(self.loss.names, losses.mean().tolist(), strict=True))
                         loss, norm = terms.pop("loss"), float(grad_norm)
                         terms.update(finite_or_guarded(self.guard, loss, norm, step))
-                        self.step_logger.log(run_info.StepStats(
-                            step, loss, norm, self.last_lr, self.state.tokens_seen,
-                            sum(self.model_state.values()), {**terms, **(extra or {})},
-                        ))  # fmt: skip
+                        self.step_logger.log(
+                            run_info.StepStats(
+                                step,
+                                loss,
+                                norm,
+                                self.last_lr,
+                                self.state.tokens_seen,
+                                sum(self.model_state.values()),
+                                {**terms, **(extra or {})},
+                            )
+                        )
                     with self.step_logger.paused():  # validation and saves are not training
                         self._after_step(step, last=step == total)
                     prof.step()

@@ -111,8 +111,9 @@ class Checkpointer:
             self._pending = (future, partial, final, sidecar, start)
             logger.info(
                 "checkpoint: step %d staged in %.2f s, writing in the background",
-                step, time.perf_counter() - start,
-            )  # fmt: skip
+                step,
+                time.perf_counter() - start,
+            )
         else:
             try:
                 dcp.save(tensors, storage_writer=writer)
@@ -211,8 +212,12 @@ class Checkpointer:
             cause += "; free some space or lower checkpoint.keep_latest_k"
         if self.is_main:
             shutil.rmtree(partial, ignore_errors=True)
-        intact = (f"the previous checkpoint, step {done[-1][0]}, is intact: run the same command "
-                  "to resume from it" if done else "no earlier checkpoint exists")  # fmt: skip
+        intact = (
+            f"the previous checkpoint, step {done[-1][0]}, is intact: run the same command "
+            "to resume from it"
+            if done
+            else "no earlier checkpoint exists"
+        )
         name = partial.name.removesuffix(".partial")
         return UserError(f"checkpoint {name} could not be written: {cause}; {intact}")
 

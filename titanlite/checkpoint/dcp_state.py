@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from titanlite.heartbeat import is_comm_failure
+from titanlite.runtime.heartbeat import is_comm_failure
 
 
 def split_state(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

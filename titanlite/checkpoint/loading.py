@@ -106,9 +106,13 @@ def load(
 
 
 def _load(
-    states: dict[str, Stateful], path: Path, keys: list[str], *, identity: ModelIdentity,
+    states: dict[str, Stateful],
+    path: Path,
+    keys: list[str],
+    *,
+    identity: ModelIdentity,
     folder: Path,
-) -> None:  # fmt: skip
+) -> None:
     """Load the ``keys`` of ``states`` from the checkpoint at ``path`` (``folder``: the run's
     checkpoint folder, where an earlier checkpoint to suggest is looked for)."""
     meta = read_sidecar(path)
@@ -177,9 +181,10 @@ def _previous(path: Path, folder: Path) -> Path | None:
         return None
     step = int(read_sidecar(path).get("step", -1))
     earlier = [
-        p for s, p in complete_checkpoints(folder)
+        p
+        for s, p in complete_checkpoints(folder)
         if s < step and not read_sidecar(p).get("model_only", False)
-    ]  # fmt: skip
+    ]
     return earlier[-1] if earlier else None
 
 

@@ -90,7 +90,7 @@ def family_fields() -> dict[str, FamilyField]:
 @functools.cache
 def _family_fields() -> dict[str, FamilyField]:
     from titanlite import models
-    from titanlite.docstrings import field_docs
+    from titanlite.config.docstrings import field_docs
 
     found: dict[str, FamilyField] = {}
     for name, spec in models.REGISTRY.items():

@@ -92,10 +92,13 @@ def resolve_degrees(cfg: JobConfig, world_size: int) -> Degrees:
             )
         shard = shown["data_parallel_shard_degree"] = world_size // product
     degrees = Degrees(
-        dp_replicate=given["data_parallel_replicate_degree"], dp_shard=shard,
-        tp=given["tensor_parallel_degree"], pp=given["pipeline_parallel_degree"],
-        cp=given["context_parallel_degree"], ep=p.expert_parallel_degree,
-    )  # fmt: skip
+        dp_replicate=given["data_parallel_replicate_degree"],
+        dp_shard=shard,
+        tp=given["tensor_parallel_degree"],
+        pp=given["pipeline_parallel_degree"],
+        cp=given["context_parallel_degree"],
+        ep=p.expert_parallel_degree,
+    )
     if degrees.world_size != world_size:
         raise ConfigError(
             f"parallelism: {' x '.join(shown)} = {' x '.join(map(str, shown.values()))} = "

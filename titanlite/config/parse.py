@@ -43,10 +43,21 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 # The public names, with those of schema, constraints and render: config/__init__, the scripts
 # and the tests import them from here, as they did before those modules were split out.
 __all__ = [
-    "apply_toml", "dataset_name", "field_docs", "field_types", "help_text", "load_config",
-    "parse_cli", "read_toml", "sections", "to_toml", "toml_value", "tomllib", "type_name",
+    "apply_toml",
+    "dataset_name",
+    "field_docs",
+    "field_types",
+    "help_text",
+    "load_config",
+    "parse_cli",
+    "read_toml",
+    "sections",
+    "to_toml",
+    "toml_value",
+    "tomllib",
+    "type_name",
     "validate",
-]  # fmt: skip
+]
 
 logger = logging.getLogger(__name__)
 
@@ -121,8 +132,11 @@ def _tables(value: Any, key: str, from_cli: bool, cls: type) -> list[Any]:
     training.datasets as PATH[:WEIGHT],...; other lists as a TOML inline array of tables,
     e.g. --optimizer.param_groups '[{params = "*norm*", weight_decay = 0.0}, {params = "*"}]'."""
     hints = field_types(cls)
-    required = [f.name for f in dataclasses.fields(cls)
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]  # fmt: skip
+    required = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
     if from_cli and isinstance(value, str):
         value = _datasets_from_cli(value) if cls is DatasetEntry else _inline_tables(value, key)
     if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):

@@ -39,9 +39,11 @@ def toml_value(value: Any) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if dataclasses.is_dataclass(value):  # an inline table, e.g. one of training.datasets
-        items = ", ".join(f"{f.name} = {toml_value(getattr(value, f.name))}"
-                          for f in dataclasses.fields(value)
-                          if getattr(value, f.name) is not None)  # fmt: skip
+        items = ", ".join(
+            f"{f.name} = {toml_value(getattr(value, f.name))}"
+            for f in dataclasses.fields(value)
+            if getattr(value, f.name) is not None
+        )
         return "{" + items + "}"
     raise TypeError(f"cannot write {value!r} as TOML")
 

@@ -13,7 +13,7 @@ import types
 import typing
 from typing import Any, Literal
 
-from titanlite import docstrings
+from titanlite.config import docstrings
 from titanlite.config.job_config import DatasetEntry, JobConfig, Model, family_fields
 
 

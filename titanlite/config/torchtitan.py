@@ -16,14 +16,13 @@ from typing import Any, Literal
 
 from titanlite.config.job_config import JobConfig, Training
 from titanlite.config.schema import field_types, sections
+from titanlite.config.torchtitan_flavors import FLAVORS, TT_YARN_FROM
 from titanlite.config.torchtitan_keys import (
     ANY,
     ATTENTION_SUFFIXES,
-    FLAVORS,
     MAPPING,
     STATE_NAMES,
     TORCHTITAN_DEFAULTS,
-    TT_YARN_FROM,
     Rule,
 )
 from titanlite.models import REGISTRY
@@ -159,9 +158,17 @@ def convert(data: dict[str, Any]) -> Conversion:
     base = next((flavor[: -len(s)] for s in ATTENTION_SUFFIXES if flavor.endswith(s)), flavor)
     tokenizer = flat.get("model.tokenizer_path") or flat.get("model.hf_assets_path")
     if name not in {n for n, _ in FLAVORS}:
-        note("model.name", f"not a TorchTitan model that titanlite converts ({', '.join(dict.fromkeys(n for n, _ in FLAVORS))}); titanlite's families are {', '.join(REGISTRY)}", True)  # fmt: skip
+        note(
+            "model.name",
+            f"not a TorchTitan model that titanlite converts ({', '.join(dict.fromkeys(n for n, _ in FLAVORS))}); titanlite's families are {', '.join(REGISTRY)}",
+            True,
+        )
     elif (name, base) not in FLAVORS:
-        note("model.flavor", f"not a TorchTitan {name} flavor that titanlite converts; use {', '.join(f for n, f in FLAVORS if n == name)} (titanlite's families are {', '.join(REGISTRY)})", True)  # fmt: skip
+        note(
+            "model.flavor",
+            f"not a TorchTitan {name} flavor that titanlite converts; use {', '.join(f for n, f in FLAVORS if n == name)} (titanlite's families are {', '.join(REGISTRY)})",
+            True,
+        )
     else:
         family, titanlite_flavor, overrides = FLAVORS[name, base]
         conv.put("model.name", "model.name", family)
@@ -173,12 +180,18 @@ def convert(data: dict[str, Any]) -> Conversion:
             conv.put("model.flavor", "model.rope_factor", 40.0)
         if base != flavor:
             kind = ATTENTION_SUFFIXES[flavor[len(base) :]]
-            note("model.flavor", f'titanlite has no {kind} attention: trains "{base}" with causal attention across packed documents')  # fmt: skip
+            note(
+                "model.flavor",
+                f'titanlite has no {kind} attention: trains "{base}" with causal attention across packed documents',
+            )
     if tokenizer:
         source = next(k for k in ("model.tokenizer_path", "model.hf_assets_path") if flat.get(k))
         conv.put(source, "model.tokenizer_path", tokenizer)
     else:
-        note("model.hf_assets_path", "TorchTitan's default tests/assets/tokenizer is not in titanlite; using titanlite's default model.tokenizer_path (set it to a tokenizer.json or its folder)")  # fmt: skip
+        note(
+            "model.hf_assets_path",
+            "TorchTitan's default tests/assets/tokenizer is not in titanlite; using titanlite's default model.tokenizer_path (set it to a tokenizer.json or its folder)",
+        )
 
     # data: TorchTitan's named datasets become titanlite sources
     dataset, path = flat.get("training.dataset", "c4_test"), flat.get("training.dataset_path")
@@ -191,11 +204,14 @@ def convert(data: dict[str, Any]) -> Conversion:
             note("training.dataset", "titanlite streams allenai/c4's train split")
     elif dataset == "c4_test" and not path:
         conv.put("training.dataset", "training.dataset", "sotu")
-        note("training.dataset", "TorchTitan's 2K-document C4 sample is not in titanlite; training on the built-in sotu corpus (set training.dataset_path to a copy of tests/assets/c4_test to keep the data)")  # fmt: skip
+        note(
+            "training.dataset",
+            "TorchTitan's 2K-document C4 sample is not in titanlite; training on the built-in sotu corpus (set training.dataset_path to a copy of tests/assets/c4_test to keep the data)",
+        )
     elif dataset != "c4_test":
         advice = "a TorchTitan custom dataset: titanlite reads training.dataset_path as plain files"
         if not path:
-            advice = "not a TorchTitan built-in dataset; set training.dataset to a Hugging Face Hub id or training.dataset_path to local files"  # fmt: skip
+            advice = "not a TorchTitan built-in dataset; set training.dataset to a Hugging Face Hub id or training.dataset_path to local files"
         note("training.dataset", advice, not path)
     if flat.get("validation.enable"):  # titanlite validates on held-out training documents
         for key in ("validation.dataset", "validation.dataset_path"):
@@ -216,7 +232,10 @@ def convert(data: dict[str, Any]) -> Conversion:
         known = [n for n in names if n in STATE_NAMES]
         conv.put("checkpoint.exclude_from_loading", "checkpoint.exclude_from_loading", known)
         if len(known) < len(names):
-            note("checkpoint.exclude_from_loading", f"only {', '.join(STATE_NAMES)} are loaded state; the rest is ignored")  # fmt: skip
+            note(
+                "checkpoint.exclude_from_loading",
+                f"only {', '.join(STATE_NAMES)} are loaded state; the rest is ignored",
+            )
     components = flat.get("compile.components", [])
     components = components if isinstance(components, list) else [components]
     if flat.get("compile.enable") and any(c != "model" for c in components):
@@ -226,7 +245,11 @@ def convert(data: dict[str, Any]) -> Conversion:
     if mode == "fake_backend":
         conv.put("comm.mode", "job.dry_run", True)
     elif mode != "default":
-        note("comm.mode", "titanlite has no local-tensor simulation; run on CPU ranks (gloo) or use job.dry_run = true", True)  # fmt: skip
+        note(
+            "comm.mode",
+            "titanlite has no local-tensor simulation; run on CPU ranks (gloo) or use job.dry_run = true",
+            True,
+        )
 
     ordered: dict[str, dict[str, Any]] = {}  # sections and keys in titanlite's schema order
     for key in types_:
@@ -245,31 +268,54 @@ def _convert_converters(flat: dict[str, Any], conv: Conversion, note: Any) -> No
     names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
     linear = {"float8", "quantize.linear.float8"} & set(names)
     experts = "quantize.grouped_mm.float8" in names
-    others = [n for n in names if n not in ("float8", "quantize.linear.float8", "quantize.grouped_mm.float8")]  # fmt: skip
+    others = [
+        n
+        for n in names
+        if n not in ("float8", "quantize.linear.float8", "quantize.grouped_mm.float8")
+    ]
     if others:
-        note("model.converters", f"titanlite has float8 training only (no {', '.join(others)}); remove them", True)  # fmt: skip
+        note(
+            "model.converters",
+            f"titanlite has float8 training only (no {', '.join(others)}); remove them",
+            True,
+        )
     if not (linear or experts):
         return
     conv.put("model.converters", "model.converters", ["float8"])
     section = "float8" if "float8" in linear else "quantize.linear.float8"
-    for key in ("enable_fsdp_float8_all_gather", "precompute_float8_dynamic_scale_for_fsdp", "emulate"):  # fmt: skip
+    for key in (
+        "enable_fsdp_float8_all_gather",
+        "precompute_float8_dynamic_scale_for_fsdp",
+        "emulate",
+    ):
         if f"{section}.{key}" in flat:
             conv.put(f"{section}.{key}", f"float8.{key}", bool(flat[f"{section}.{key}"]))
     recipe = flat.get(f"{section}.recipe_name") or "tensorwise"
     if recipe not in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
-        note(f"{section}.recipe_name", "not a float8 recipe titanlite has (tensorwise, rowwise, rowwise_with_gw_hp)", True)  # fmt: skip
+        note(
+            f"{section}.recipe_name",
+            "not a float8 recipe titanlite has (tensorwise, rowwise, rowwise_with_gw_hp)",
+            True,
+        )
     conv.put(f"{section}.recipe_name", "float8.recipe", recipe)
     fqns = flat.get(f"{section}.filter_fqns", [])
     fqns = (
         [f.strip() for f in fqns.split(",") if f.strip()] if isinstance(fqns, str) else list(fqns)
     )
     conv.put(f"{section}.filter_fqns", "float8.auto_filter_small", "auto_filter_small_kn" in fqns)
-    conv.put(f"{section}.filter_fqns", "float8.filter_fqns", [f for f in fqns if f != "auto_filter_small_kn"])  # fmt: skip
+    conv.put(
+        f"{section}.filter_fqns",
+        "float8.filter_fqns",
+        [f for f in fqns if f != "auto_filter_small_kn"],
+    )
     if experts:
         conv.put("quantize.grouped_mm.float8.fqns", "float8.experts", True)
         if recipe != "rowwise":
             conv.put("quantize.grouped_mm.float8.fqns", "float8.recipe", "rowwise")
-            note(f"{section}.recipe_name", "titanlite's float8 experts take the rowwise recipe, for the linears too")  # fmt: skip
+            note(
+                f"{section}.recipe_name",
+                "titanlite's float8 experts take the rowwise recipe, for the linears too",
+            )
 
 
 def mapping_table_markdown() -> str:

@@ -108,16 +108,19 @@ def convert(model: nn.Module, spec: Any, settings: Any) -> int:
     if unused:
         logger.warning(
             "float8.filter_fqns: %s match%s no module of the model",
-            ", ".join(map(repr, unused)), "es" if len(unused) == 1 else "",
-        )  # fmt: skip
+            ", ".join(map(repr, unused)),
+            "es" if len(unused) == 1 else "",
+        )
     float8.convert_to_float8_training(model, module_filter_fn=take, config=linear_config(settings))
     converted = sum(isinstance(m, linear_class) for m in model.modules())
     reasons = Counter(kept.values())
     logger.info(
         "float8 (%s): %d linears in float8, %d kept in high precision%s",
-        settings.recipe, converted, len(kept),
+        settings.recipe,
+        converted,
+        len(kept),
         "".join(f"; {n} by {why}" for why, n in reasons.items()),
-    )  # fmt: skip
+    )
     if kept:
         logger.debug("float8: kept in high precision: %s", ", ".join(kept))
     if converted == 0:

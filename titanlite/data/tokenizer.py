@@ -247,8 +247,11 @@ class HFTokenizer(Tokenizer):
             logger.info(
                 "%s names tokens that %s lacks; they get the ids transformers gives them, "
                 "after the vocabulary of %d: %s",
-                self.config_path, self.path.name, base_size, listed,
-            )  # fmt: skip
+                self.config_path,
+                self.path.name,
+                base_size,
+                listed,
+            )
         self.fingerprint = digest.hexdigest()[:16]
 
     def _read_config(self) -> dict[str, Any] | None:

@@ -57,7 +57,9 @@ def build(name: str, holdout_fraction: float, limit: int) -> Task:
             else:
                 choices = [true, *rng.sample(others, CHOICES - 1)]
             rng.shuffle(choices)
-            questions.append(Question(context, tuple(" " + c for c in choices), choices.index(true)))  # fmt: skip
+            questions.append(
+                Question(context, tuple(" " + c for c in choices), choices.index(true))
+            )
     rng.shuffle(questions)
     return Task(name, tuple(questions[:limit] if limit else questions))
 

@@ -18,17 +18,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from titanlite import distributed
 from titanlite.config.job_config import Eval, JobConfig
 from titanlite.data.batches import IGNORE_INDEX
 from titanlite.data.tokenizer import Tokenizer
 from titanlite.downstream import builtin
 from titanlite.downstream.tasks import Task, encode_pair, read_task
 from titanlite.errors import UserError
-from titanlite.metrics import MetricsLogger
+from titanlite.metrics.loggers import MetricsLogger
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.parallel_model import ParallelModel
 from titanlite.paths import resolve_path
+from titanlite.runtime import distributed
 
 logger = logging.getLogger("titanlite.train")
 
@@ -85,11 +85,15 @@ class Evaluator:
             return None
         d = dims.degrees
         return cls(
-            cfg.eval, load_tasks(cfg.eval, cfg.validation.holdout_fraction),
-            tokenizer=tokenizer, seq_len=cfg.training.seq_len, batch_rank=dims.batch_rank,
-            batch_ranks=dims.batch_size, loss_group=dims.group("loss"),
+            cfg.eval,
+            load_tasks(cfg.eval, cfg.validation.holdout_fraction),
+            tokenizer=tokenizer,
+            seq_len=cfg.training.seq_len,
+            batch_rank=dims.batch_rank,
+            batch_ranks=dims.batch_size,
+            loss_group=dims.group("loss"),
             length_multiple=2 * d.cp * d.tp if d.cp > 1 else d.tp,
-        )  # fmt: skip
+        )
 
     def due(self, step: int, last: bool) -> bool:
         return self.config.enable and (step % self.config.freq == 0 or last)
@@ -101,7 +105,9 @@ class Evaluator:
             for choice in question.choices:
                 context, ids = encode_pair(tokenizer, question.context, choice)
                 if not ids:
-                    raise UserError(f"eval.tasks: {task.name}, question {q + 1}: the choice {choice!r} encodes to no tokens")  # fmt: skip
+                    raise UserError(
+                        f"eval.tasks: {task.name}, question {q + 1}: the choice {choice!r} encodes to no tokens"
+                    )
                 room = self.seq_len + 1 - len(ids)  # a row of n tokens is n - 1 inputs
                 if room < 2:
                     raise UserError(
@@ -116,8 +122,11 @@ class Evaluator:
         if cut and self.batch_rank == 0:
             logger.warning(
                 "eval: %s: %d of %d rows cut from the left to fit training.seq_len %d",
-                task.name, cut, index, self.seq_len,
-            )  # fmt: skip
+                task.name,
+                cut,
+                index,
+                self.seq_len,
+            )
         return sorted(rows, key=lambda r: -len(r.tokens))
 
     @torch.no_grad()
@@ -129,7 +138,9 @@ class Evaluator:
         shown = []
         model.train(False)
         for task, rows in zip(self.tasks, self.rows, strict=True):
-            sums, misses = self._row_scores(model, rows, sum(len(q.choices) for q in task.questions))  # fmt: skip
+            sums, misses = self._row_scores(
+                model, rows, sum(len(q.choices) for q in task.questions)
+            )
             log_likelihoods = [-s for s in sums]
             name = f"eval_{task.name}"
             record[f"{name}_ll"] = right_log_likelihood(task, log_likelihoods)

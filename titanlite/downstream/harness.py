@@ -38,14 +38,18 @@ def import_lm_eval() -> ModuleType:
         import lm_eval.tasks  # noqa: F401
     except ImportError as e:
         missing = e.name or "lm_eval"
-        what = "lm-eval is not installed" if missing.split(".")[0] == "lm_eval" else (
-            f"lm-eval's Hugging Face model needs {missing}, which is not installed"
-        )  # fmt: skip
+        what = (
+            "lm-eval is not installed"
+            if missing.split(".")[0] == "lm_eval"
+            else (f"lm-eval's Hugging Face model needs {missing}, which is not installed")
+        )
         raise UserError(f"{what}: {INSTALL} (or pip install -e '.[harness]')") from None
     from packaging.version import Version  # transformers' dependency
 
     if Version(lm_eval.__version__) < Version(MINIMUM):
-        raise UserError(f"lm-eval {lm_eval.__version__} is older than the bridge needs ({MINIMUM}): {INSTALL}")  # fmt: skip
+        raise UserError(
+            f"lm-eval {lm_eval.__version__} is older than the bridge needs ({MINIMUM}): {INSTALL}"
+        )
     return lm_eval
 
 
@@ -76,14 +80,18 @@ def select_tasks(items: list[str], include_paths: list[Path]) -> TaskSelection:
             check_yaml_folder(path)
             names = folder_tasks(path)
             if not names:
-                raise UserError(f"--tasks: folder {item!r} defines no task (no YAML file in it has a task: name)")  # fmt: skip
+                raise UserError(
+                    f"--tasks: folder {item!r} defines no task (no YAML file in it has a task: name)"
+                )
             selection.include_paths.append(path.resolve())
         elif path.suffix in YAML_SUFFIXES or path.is_file():
             if not path.is_file():
                 raise UserError(f"--tasks: task file {item!r} does not exist")
             config = read_yaml(path)
             if not isinstance(config.get("task", config.get("group")), str):
-                raise UserError(f"--tasks: {item!r} defines no task (a task YAML has a task: or group: name)")  # fmt: skip
+                raise UserError(
+                    f"--tasks: {item!r} defines no task (a task YAML has a task: or group: name)"
+                )
             selection.specs.append(str(path.resolve()))
         else:
             names = [item]
@@ -144,7 +152,9 @@ def task_manager(selection: TaskSelection) -> Any:
     every name (quick), else lm-eval's own tasks as well (indexing them takes a while)."""
     from lm_eval.tasks import TaskManager
 
-    local = TaskManager(include_path=[str(p) for p in selection.include_paths], include_defaults=False)  # fmt: skip
+    local = TaskManager(
+        include_path=[str(p) for p in selection.include_paths], include_defaults=False
+    )
     if not unknown_names(local, selection.names):
         return local
     logger.info("indexing lm-eval's tasks (for %s)", ", ".join(selection.names))
@@ -153,9 +163,11 @@ def task_manager(selection: TaskSelection) -> Any:
     if unknown:
         name = unknown[0]
         close = difflib.get_close_matches(name, manager.all_tasks, n=3)
-        hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else (
-            "; `lm-eval ls tasks` lists them, a local task is a YAML file or folder path"
-        )  # fmt: skip
+        hint = (
+            f"; did you mean {' or '.join(map(repr, close))}?"
+            if close
+            else ("; `lm-eval ls tasks` lists them, a local task is a YAML file or folder path")
+        )
         raise UserError(f"--tasks: unknown task {name!r}{hint}")
     return manager
 
@@ -193,7 +205,11 @@ def first_line(error: BaseException) -> str:
     name some libraries end it with ("Couldn't reach ... (OfflineModeIsEnabled)")."""
     text = error.args[0] if isinstance(error, KeyError) and error.args else error
     lines = str(text).strip().splitlines()
-    return re.sub(r" \([A-Z][a-z]+(?:[A-Z][a-z]+)+\)$", "", lines[0]) if lines else "it could not be loaded"  # fmt: skip
+    return (
+        re.sub(r" \([A-Z][a-z]+(?:[A-Z][a-z]+)+\)$", "", lines[0])
+        if lines
+        else "it could not be loaded"
+    )
 
 
 def evaluate(

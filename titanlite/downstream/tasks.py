@@ -83,7 +83,9 @@ def read_task(path: Path) -> Task:
     if not questions:
         raise UserError(f"eval.tasks: {path} holds no questions")
     if len({q.completion for q in questions}) > 1:
-        raise UserError(f"eval.tasks: {path} mixes multiple-choice and completion lines; use one kind per file")  # fmt: skip
+        raise UserError(
+            f"eval.tasks: {path} mixes multiple-choice and completion lines; use one kind per file"
+        )
     return Task(path.stem, tuple(questions))
 
 
@@ -95,16 +97,26 @@ def _question(line: str, where: str) -> Question:
     if not isinstance(row, dict):
         raise UserError(f"{where}: not a JSON object")
     if not isinstance(row.get("context"), str):
-        raise UserError(f"{where}: context must be a string" if "context" in row else f"{where}: missing context")  # fmt: skip
+        raise UserError(
+            f"{where}: context must be a string"
+            if "context" in row
+            else f"{where}: missing context"
+        )
     if "target" in row and "choices" not in row:  # a completion
         if not isinstance(row["target"], str) or not row["target"]:
             raise UserError(f"{where}: target must be a non-empty string")
         return Question(row["context"], (row["target"],), 0, completion=True)
     missing = [k for k in ("choices", "label") if k not in row]
     if missing:
-        raise UserError(f"{where}: missing {', '.join(missing)} (a question needs context, choices and label; a completion context and target)")  # fmt: skip
+        raise UserError(
+            f"{where}: missing {', '.join(missing)} (a question needs context, choices and label; a completion context and target)"
+        )
     context, choices, label = row["context"], row["choices"], row["label"]
-    if not isinstance(choices, list) or len(choices) < 2 or not all(isinstance(c, str) and c for c in choices):  # fmt: skip
+    if (
+        not isinstance(choices, list)
+        or len(choices) < 2
+        or not all(isinstance(c, str) and c for c in choices)
+    ):
         raise UserError(f"{where}: choices must be a list of two or more non-empty strings")
     if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < len(choices):
         raise UserError(f"{where}: label {label!r} is not an index of the {len(choices)} choices")

@@ -160,8 +160,10 @@ class Decoder(nn.Module):
         depths = getattr(self.args, "mtp_layers", 0) if self.training else 0
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(tokens)
-            later = [tokens_ahead(tokens, d) if ahead is None else ahead[d - 1]
-                     for d in range(1, depths + 1)]  # fmt: skip
+            later = [
+                tokens_ahead(tokens, d) if ahead is None else ahead[d - 1]
+                for d in range(1, depths + 1)
+            ]
             embedded = [self.tok_embeddings(ids) for ids in later]
         else:
             h, *embedded = tokens.split(self.args.dim, dim=-1) if depths else (tokens,)

@@ -209,9 +209,12 @@ def experts_to_hf(prefix: str, name: str, stacked: torch.Tensor) -> dict[str, to
 
 
 def experts_from_hf(
-    given: Mapping[str, torch.Tensor], take: Callable[[str], torch.Tensor], *, prefix: str,
+    given: Mapping[str, torch.Tensor],
+    take: Callable[[str], torch.Tensor],
+    *,
+    prefix: str,
     num_experts: int,
-) -> dict[str, torch.Tensor]:  # fmt: skip
+) -> dict[str, torch.Tensor]:
     """``feed_forward.experts.w1/w3/w2`` from HF's experts under ``prefix``: per-expert
     matrices, or the fused layout transformers 5 keeps in memory (``gate_up_proj``
     [experts, 2 x hidden, dim] and ``down_proj``). ``take(name)`` reads (and marks used) one."""

@@ -151,8 +151,9 @@ SCORE_FUNCS = ("softmax", "sigmoid")
 def check_score_func(args: Any) -> None:
     """ValueError naming ``score_func`` when it is not one of SCORE_FUNCS."""
     if args.score_func not in SCORE_FUNCS:
-        raise ValueError(f"score_func must be one of {', '.join(SCORE_FUNCS)}, got "
-                         f"{args.score_func!r}")  # fmt: skip
+        raise ValueError(
+            f"score_func must be one of {', '.join(SCORE_FUNCS)}, got {args.score_func!r}"
+        )
 
 
 def check_moe_routing(args: Any) -> None:

@@ -166,9 +166,14 @@ def _fill_block_(
         for r in range(rows):
             row_base = base + (offset[0] + r) * strides[0]
             _fill_block_(
-                out[r], rule, key, offset=offset[1:], strides=strides[1:], base=row_base,
+                out[r],
+                rule,
+                key,
+                offset=offset[1:],
+                strides=strides[1:],
+                base=row_base,
                 chunk=chunk,
-            )  # fmt: skip
+            )
         return
     device = out.device
     inner_idx = _index_grid(out.shape[1:], offset[1:], strides[1:], device).add_(base)
@@ -241,9 +246,14 @@ def fill_local_(
     chunk = max(1, int(chunk))
     with torch.no_grad():
         _fill_block_(
-            out, rule, stream_key(seed, name), offset=global_offset, strides=strides, base=0,
+            out,
+            rule,
+            stream_key(seed, name),
+            offset=global_offset,
+            strides=strides,
+            base=0,
             chunk=chunk,
-        )  # fmt: skip
+        )
     return out
 
 

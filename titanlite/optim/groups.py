@@ -146,10 +146,14 @@ def build_optimizer(
         distributed = [p for p in group.params if isinstance(p, DTensor)]
         for params in (plain, distributed):
             if params:
-                torch_groups.append({
-                    "params": params, "lr": group.lr, "weight_decay": group.weight_decay,
-                    "optimizer": group.optimizer,
-                })  # fmt: skip
+                torch_groups.append(
+                    {
+                        "params": params,
+                        "lr": group.lr,
+                        "weight_decay": group.weight_decay,
+                        "optimizer": group.optimizer,
+                    }
+                )
     context = optim.BuildContext(
         device, muon or Muon(), replica_group, model=model, dims=dims, n_layers=n_layers
     )
@@ -174,9 +178,14 @@ def build_optimizers(
     optimizers, groups = [], []
     for part in parts:
         optimizer, part_groups = build_optimizer(
-            part, settings, device, muon=muon, replica_group=replica_group, dims=dims,
+            part,
+            settings,
+            device,
+            muon=muon,
+            replica_group=replica_group,
+            dims=dims,
             n_layers=n_layers,
-        )  # fmt: skip
+        )
         optimizers.append(optimizer)
         groups += part_groups
     log_groups(groups)
@@ -189,6 +198,10 @@ def log_groups(groups: Sequence[ParamGroup]) -> None:
         d = group.describe()
         logger.info(
             "optimizer group %s: %s, lr %.3g, weight decay %g, %d tensors (%s parameters)",
-            d["name"], d["optimizer"], d["lr"], d["weight_decay"], d["tensors"],
+            d["name"],
+            d["optimizer"],
+            d["lr"],
+            d["weight_decay"],
+            d["tensors"],
             f"{d['parameters']:,}",
-        )  # fmt: skip
+        )

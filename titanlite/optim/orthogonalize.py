@@ -94,9 +94,10 @@ class Orthogonalizer:
             kinds = Counter(plan.kind for plan in plans)
             logger.info(
                 "muon: %d matrices (%s); this rank orthogonalizes %d of them",
-                len(plans), ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())),
+                len(plans),
+                ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())),
                 sum(plan.is_owner for plan in plans),
-            )  # fmt: skip
+            )
         updates = [u for _, u in pairs]
         # 1. Whole matrices to their owners (asynchronous, all at once).
         whole: list[torch.Tensor | None] = [None] * len(pairs)
@@ -110,9 +111,12 @@ class Orthogonalizer:
                 if plan.is_owner:
                     parts += [torch.empty_like(parts[0]) for _ in plan.sizes]
                 work = dist.gather(
-                    parts[0], parts[1:] if plan.is_owner else None, group=plan.group,
-                    group_dst=plan.owner, async_op=True,
-                )  # fmt: skip
+                    parts[0],
+                    parts[1:] if plan.is_owner else None,
+                    group=plan.group,
+                    group_dst=plan.owner,
+                    async_op=True,
+                )
                 pending.append((i, parts[1:], work))
             elif plan.is_owner:
                 whole[i] = update
@@ -228,9 +232,13 @@ class Orthogonalizer:
             ]
         counts = self._counts[key]
         plan = Plan(
-            "gathered", mesh=mesh, placements=placements, owner_coordinate=coordinates[owner],
-            is_owner=tuple(coordinate) == coordinates[owner], counts=counts,
-        )  # fmt: skip
+            "gathered",
+            mesh=mesh,
+            placements=placements,
+            owner_coordinate=coordinates[owner],
+            is_owner=tuple(coordinate) == coordinates[owner],
+            counts=counts,
+        )
         if plan.is_owner:
             flat = torch.arange(param.numel(), device=param.device).view(param.shape)
             pieces = [piece(flat, mesh.shape, placements, c).reshape(-1) for c in coordinates]

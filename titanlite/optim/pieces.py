@@ -51,9 +51,11 @@ class Plan:
 
 
 def piece(
-    tensor: torch.Tensor, mesh_shape: tuple[int, ...], placements: tuple[Placement, ...],
+    tensor: torch.Tensor,
+    mesh_shape: tuple[int, ...],
+    placements: tuple[Placement, ...],
     coordinate: tuple[int, ...],
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """The part of ``tensor`` the rank at ``coordinate`` holds, cut as distribute_tensor
     cuts it (mesh dim by mesh dim, through the placements' own split)."""
     for mesh_dim, placement in enumerate(placements):

@@ -48,8 +48,9 @@ def apply_ac(model: nn.Module, spec: ModelSpec, mode: str, selective_option: str
     logger.info(
         "applied %s activation checkpointing to %d of %d blocks",
         mode if selective_option != "op" or mode == "full" else "selective (op)",
-        wrapped, len(blocks),
-    )  # fmt: skip
+        wrapped,
+        len(blocks),
+    )
 
 
 def apply_compile(model: nn.Module, spec: ModelSpec) -> None:

@@ -98,6 +98,8 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh) -> list[RoutedExperts]:
         experts.dispatch = functools.partial(expert_parallel, group=mesh.get_group(), degree=degree)
     logger.info(
         "expert parallelism: the experts of %d layers split over ep=%d ranks (all-to-all "
-        "dispatch and combine)", len(layers), degree,
-    )  # fmt: skip
+        "dispatch and combine)",
+        len(layers),
+        degree,
+    )
     return layers

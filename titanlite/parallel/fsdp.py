@@ -12,7 +12,7 @@ from torch.distributed.tensor import Shard
 
 from titanlite.dtypes import DTYPES
 from titanlite.models.spec import ModelSpec
-from titanlite.parallel.ddp_support import local_tensor
+from titanlite.parallel.ddp.support import local_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +52,12 @@ def apply_fsdp(
         for module in block.modules():
             if expert_mesh is not None and any(module is unit for unit in expert_units):
                 fully_shard(
-                    module, mesh=expert_mesh, mp_policy=policy, reshard_after_forward=not keep,
+                    module,
+                    mesh=expert_mesh,
+                    mp_policy=policy,
+                    reshard_after_forward=not keep,
                     shard_placement_fn=_expert_placement(expert_mesh.size(expert_mesh.ndim - 1)),
-                )  # fmt: skip
+                )
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=not keep)
     fully_shard(
         model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward == "always"
@@ -62,8 +65,12 @@ def apply_fsdp(
     kind = "HSDP" if mesh.ndim > 1 else "FSDP"
     logger.info(
         "applied %s over %s (%d blocks + root), params in %s, reduce in %s",
-        kind, mesh.mesh_dim_names, len(blocks), param_dtype, reduce_dtype,
-    )  # fmt: skip
+        kind,
+        mesh.mesh_dim_names,
+        len(blocks),
+        param_dtype,
+        reduce_dtype,
+    )
 
 
 def _expert_placement(shards: int) -> Callable[[nn.Parameter], Shard]:

@@ -73,9 +73,12 @@ def materialize(
     written = 0
     if init_weights:
         written = init_parameters(
-            model, lambda name: spec.init_rule(args, name), seed, locate=local_block,
+            model,
+            lambda name: spec.init_rule(args, name),
+            seed,
+            locate=local_block,
             aliases=aliases,
-        )  # fmt: skip
+        )
     done = time.perf_counter()
     logger.info(
         "materialized the model on %s: %s (%.2f s allocation, %.2f s initialization)",

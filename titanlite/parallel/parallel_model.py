@@ -21,15 +21,15 @@ from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titanlite.data.batches import IGNORE_INDEX
-from titanlite.loss import mtp_labels, plain
-from titanlite.parallel.context import ContextParallel
-from titanlite.parallel.ddp import BucketedDDP
-from titanlite.parallel.ddp_support import all_reduce_after_backward, local_tensor
+from titanlite.parallel.context.attention import ContextParallel
+from titanlite.parallel.ddp.engine import BucketedDDP
+from titanlite.parallel.ddp.support import all_reduce_after_backward, local_tensor
 from titanlite.parallel.pipeline import Pipeline
+from titanlite.training.loss import mtp_labels, plain
 
 
 class LossSum(Protocol):
-    """The training loss (``titanlite.loss.TrainingLoss``): (logits, labels) -> (the
+    """The training loss (``titanlite.training.loss.TrainingLoss``): (logits, labels) -> (the
     objective summed over the target tokens, to differentiate; its reported terms, detached,
     a vector named by ``names`` whose first entry is the cross-entropy)."""
 
@@ -86,7 +86,7 @@ class ParallelModel:
     tp_group: dist.ProcessGroup | None = None
     mtp_depths: int = 0
     """Multi-token prediction depths of the model (``model.mtp_layers``): training logits
-    carry theirs, and the loss gets their targets (``titanlite.loss.mtp_labels``)."""
+    carry theirs, and the loss gets their targets (``titanlite.training.loss.mtp_labels``)."""
 
     # ------------------------------------------------------------------ one micro-batch
     def forward_backward(
@@ -164,8 +164,9 @@ class ParallelModel:
         labels = mtp_labels(labels, self.mtp_depths, documents)  # from the whole sequences
         if self.context is None:
             return labels
-        return labels[..., self.context.positions(labels.shape[-1] // self.context.degree,
-                                                  labels.device)]  # fmt: skip
+        return labels[
+            ..., self.context.positions(labels.shape[-1] // self.context.degree, labels.device)
+        ]
 
     @contextlib.contextmanager
     def _train_context(self) -> Iterator[None]:

@@ -34,12 +34,12 @@ from titanlite.config.job_config import ActivationCheckpoint, Compile, Paralleli
 from titanlite.config.layout import pipeline_plan
 from titanlite.models.spec import ModelSpec
 from titanlite.parallel.blocks import apply_ac, apply_compile
-from titanlite.parallel.context import ContextParallel, apply_cp
-from titanlite.parallel.ddp import BucketedDDP
+from titanlite.parallel.context.attention import ContextParallel, apply_cp
+from titanlite.parallel.context.recurrent import apply_linear_cp
+from titanlite.parallel.ddp.engine import BucketedDDP
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.expert import apply_ep
 from titanlite.parallel.fsdp import apply_fsdp
-from titanlite.parallel.linear_context import apply_linear_cp
 from titanlite.parallel.materialize import materialize
 from titanlite.parallel.parallel_model import DocumentStructure, LossSum, ParallelModel
 from titanlite.parallel.pipeline import Pipeline, split_stage, tied_copy, tied_stage_group
@@ -114,16 +114,26 @@ def parallelize(
             if plan is not None and reshard == "default":
                 reshard = "never"
             apply_fsdp(
-                part, spec, dims.hsdp_or_fsdp_mesh(),
-                param_dtype=t.mixed_precision_param, reduce_dtype=t.mixed_precision_reduce,
-                reshard_after_forward=reshard, expert_units=expert_units,
+                part,
+                spec,
+                dims.hsdp_or_fsdp_mesh(),
+                param_dtype=t.mixed_precision_param,
+                reduce_dtype=t.mixed_precision_reduce,
+                reshard_after_forward=reshard,
+                expert_units=expert_units,
                 expert_mesh=dims.expert_fsdp_mesh() if d.ep > 1 else None,
-            )  # fmt: skip
+            )
     autocast = None if d.dp_shard > 1 or t.mixed_precision_param == "float32" else torch.bfloat16
     result = ParallelModel(
-        parts, list(parts), loss_sum, loss_parallel=lp, autocast_dtype=autocast,
-        context=context, documents=documents, mtp_depths=getattr(args, "mtp_layers", 0),
-    )  # fmt: skip
+        parts,
+        list(parts),
+        loss_sum,
+        loss_parallel=lp,
+        autocast_dtype=autocast,
+        context=context,
+        documents=documents,
+        mtp_depths=getattr(args, "mtp_layers", 0),
+    )
     if d.ep > 1:
         result.expert_params = [p for m in expert_units for p in m.parameters()]
         result.expert_scale = 1.0 / d.ep
@@ -147,30 +157,40 @@ def parallelize(
         ]
         logger.info(
             "applied data parallelism over dp_replicate%s (bucket cap %.1f MB)",
-            " x cp" if d.cp > 1 else "", p.ddp_bucket_cap_mb,
-        )  # fmt: skip
+            " x cp" if d.cp > 1 else "",
+            p.ddp_bucket_cap_mb,
+        )
     if context is not None:
         logger.info(
             "context parallelism: each sequence in %d chunks, 2 per rank; keys and values "
-            "all-gathered over cp=%d%s", 2 * d.cp, d.cp,
+            "all-gathered over cp=%d%s",
+            2 * d.cp,
+            d.cp,
             "; linear-attention layers gather each chunk's state transition instead"
-            if recurrent_cp else "",
-        )  # fmt: skip
+            if recurrent_cp
+            else "",
+        )
     if plan is not None:
         tie = getattr(args, "tie_embeddings", False)
         result.pipeline = Pipeline(
-            plan, stage_ids, result.modules, dims.group("pp"), device=device, loss_sum=loss_sum,
+            plan,
+            stage_ids,
+            result.modules,
+            dims.group("pp"),
+            device=device,
+            loss_sum=loss_sum,
             n_terms=len(loss_sum.names),
             tied=spec.tied_weights if tie else None,
             tie_group=tied_stage_group(plan, dims) if tie else None,
             # titanlite's DDP engine reduces in backward hooks, one backward per forward: the
             # schedules run many, so replicas average once after the step instead.
             replica_group=dims.group("dp_replicate") if replicas else None,
-        )  # fmt: skip
+        )
         logger.info(
-            "pipeline: %s%s", "tied embeddings synchronized; " if tie else "",
+            "pipeline: %s%s",
+            "tied embeddings synchronized; " if tie else "",
             "gradients averaged over dp_replicate after each step" if replicas else "",
-        )  # fmt: skip
+        )
         if spec.experts:
             # The schedule's first step also runs the stages on placeholder tensors to infer
             # shapes; layers that count what their forwards see (routing) must not count

@@ -26,7 +26,7 @@ from torch import nn
 
 from titanlite.config.layout import PipelinePlan
 from titanlite.models.spec import ModelSpec
-from titanlite.parallel.ddp_support import all_reduce_after_backward, local_tensor
+from titanlite.parallel.ddp.support import all_reduce_after_backward, local_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -224,9 +224,14 @@ class Pipeline:
         return self.forward_only(inputs, labels, loss, width=1, per_row=False).sum()
 
     def forward_only(
-        self, inputs: torch.Tensor, labels: torch.Tensor, score: Callable[..., torch.Tensor],
-        *, width: int, per_row: bool,
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        score: Callable[..., torch.Tensor],
+        *,
+        width: int,
+        per_row: bool,
+    ) -> torch.Tensor:
         """``score(logits, labels)`` of each micro-batch of a local batch, forward only: a
         [width, rows] tensor (``per_row``) or ``width`` values per micro-batch, side by side
         in micro-batch order, the same on every pp rank.

@@ -32,7 +32,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from titanlite.models.spec import ModelSpec, TPStyle
-from titanlite.parallel.ddp_support import local_tensor
+from titanlite.parallel.ddp.support import local_tensor
 from titanlite.parallel.sequence_shards import SequenceShardGroup
 
 logger = logging.getLogger(__name__)
@@ -81,10 +81,11 @@ class Latent(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def replicate_inputs(_: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> Any:
             return tuple(
-                a if isinstance(a, DTensor) or not isinstance(a, torch.Tensor)
+                a
+                if isinstance(a, DTensor) or not isinstance(a, torch.Tensor)
                 else DTensor.from_local(a, mesh, [Replicate()], run_check=False)
                 for a in inputs
-            )  # fmt: skip
+            )
 
         def hand_on(_: nn.Module, out: DTensor, mesh: DeviceMesh) -> torch.Tensor:
             return out.to_local(grad_placements=[Partial()]) if self.local_output else out
@@ -201,5 +202,6 @@ def apply_tp(model: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh, loss_parall
     retie(model, tied)
     logger.info(
         "applied tensor parallelism (degree %d) with sequence parallelism%s",
-        tp_mesh.size(), " and loss parallelism" if loss_parallel else "",
-    )  # fmt: skip
+        tp_mesh.size(),
+        " and loss parallelism" if loss_parallel else "",
+    )

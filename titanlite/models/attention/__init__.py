@@ -87,24 +87,29 @@ def log_choice(cores: list[AttentionCore]) -> None:
     if linear:
         logger.info(
             "linear attention: %d of %d layers (Gated DeltaNet) run the delta rule with %s",
-            len(linear), len(cores),
+            len(linear),
+            len(cores),
             fla_rule.describe(linear[0].kernel, cuda=torch.cuda.is_available()),
-        )  # fmt: skip
+        )
     masked_cores = [c for c in cores if isinstance(c, MaskedAttention)]
     if not masked_cores:
         return
     masked = [c.mask for c in masked_cores]
     windowed = [m.window for m in masked if m.window is not None]
     what = ", ".join(
-        part for part in (
+        part
+        for part in (
             f"{len(windowed)} with a sliding window of {windowed[0]}" if windowed else "",
             f"{len(masked) - len(windowed)} full" if len(masked) > len(windowed) else "",
-        ) if part
-    ) + (", with sinks" if masked[0].sink else "")  # fmt: skip
+        )
+        if part
+    ) + (", with sinks" if masked[0].sink else "")
     rest = len(cores) - len(masked)
     logger.info(
         "attention: %d of %d layers (%s) run %s%s",
-        len(masked), len(cores), what,
+        len(masked),
+        len(cores),
+        what,
         flex.describe(masked_cores[0].kernel, cuda=torch.cuda.is_available()),
         f"; {rest} run causal SDPA" if rest else "",
-    )  # fmt: skip
+    )

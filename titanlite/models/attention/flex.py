@@ -93,9 +93,9 @@ def block_mask(
         documents is None or cached[0] is documents or torch.equal(cached[0], documents)
     ):
         return cached[1]
-    positions = torch.cat([
-        torch.arange(first, first + length, device=device) for first, length in chunks
-    ])  # fmt: skip
+    positions = torch.cat(
+        [torch.arange(first, first + length, device=device) for first, length in chunks]
+    )
 
     def visible(
         b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor
@@ -132,9 +132,7 @@ def _attend(
     from torch._higher_order_ops.flex_attention import flex_attention as operator
 
     options = {"OUTPUT_LOGSUMEXP": True, "OUTPUT_MAX": False}
-    out, lse, _ = operator(
-        q, k, v, _score, mask.as_tuple(), 1.0 / math.sqrt(q.shape[-1]), options
-    )  # fmt: skip
+    out, lse, _ = operator(q, k, v, _score, mask.as_tuple(), 1.0 / math.sqrt(q.shape[-1]), options)
     return out, lse * math.log(2.0)
 
 
@@ -154,8 +152,7 @@ def flex_masked_attention(
     documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``masked.banded_attention``'s result (same arguments) through FlexAttention."""
-    mask = block_mask(chunks, keys=k.shape[2], window=window, documents=documents,
-                      device=q.device)  # fmt: skip
+    mask = block_mask(chunks, keys=k.shape[2], window=window, documents=documents, device=q.device)
     out, lse = _attend(q, k, v, mask)
     if sinks is None:
         return out

@@ -6,7 +6,7 @@ restarts at every document start when document ids are given (``Mask.documents``
 rule itself is ``delta_rule.chunk_gated_delta_rule``: plain PyTorch, any device; on CUDA,
 flash-linear-attention's kernel instead when that package is installed (``fla_rule``). Under context
 parallelism (``sequence_split``, a ``RecurrentSplit``) the core's rows are this rank's chunks
-and the split supplies the state before each (``titanlite.parallel.linear_context``).
+and the split supplies the state before each (``titanlite.parallel.context.recurrent``).
 """
 
 from __future__ import annotations
@@ -78,6 +78,12 @@ class GatedDeltaAttention(AttentionCore):
                 op, q, k, v, g=g, beta=beta, resets=resets, initial_state=initial_state
             )
         return chunk_gated_delta_rule(
-            q, k, v, g=g, beta=beta, chunk_size=self.chunk_size, resets=resets,
+            q,
+            k,
+            v,
+            g=g,
+            beta=beta,
+            chunk_size=self.chunk_size,
+            resets=resets,
             initial_state=initial_state,
-        )  # fmt: skip
+        )

@@ -111,17 +111,21 @@ def document_attention(
         pieces, local = [], 0
         for first, length in chunks:
             end = first + length
-            inside = starts[b][bisect.bisect_right(starts[b], first) : bisect.bisect_left(
-                starts[b], end
-            )]  # fmt: skip
+            inside = starts[b][
+                bisect.bisect_right(starts[b], first) : bisect.bisect_left(starts[b], end)
+            ]
             cuts = [first, *inside, end]
             for lo, hi in itertools.pairwise(cuts):
                 doc_start = starts[b][bisect.bisect_right(starts[b], lo) - 1]
                 rows = slice(local + lo - first, local + hi - first)
-                pieces.append(chunk_attention(
-                    q[b : b + 1, :, rows], k[b : b + 1, :, doc_start:hi],
-                    v[b : b + 1, :, doc_start:hi], masked,
-                ))  # fmt: skip
+                pieces.append(
+                    chunk_attention(
+                        q[b : b + 1, :, rows],
+                        k[b : b + 1, :, doc_start:hi],
+                        v[b : b + 1, :, doc_start:hi],
+                        masked,
+                    )
+                )
             local += length
         outs.append(torch.cat(pieces, dim=2))
     return torch.cat(outs, dim=0)

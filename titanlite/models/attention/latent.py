@@ -64,8 +64,10 @@ class LatentAttention(AttentionLayer):
     def __init__(self, args: Any):
         super().__init__()
         self.nope, self.rope_dim, self.v_dim = (
-            args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
-        )  # fmt: skip
+            args.qk_nope_head_dim,
+            args.qk_rope_head_dim,
+            args.v_head_dim,
+        )
         qk = self.nope + self.rope_dim
         self.rotate = ROPE_STYLES[args.rope_style]
         if args.q_lora_rank:

@@ -42,9 +42,12 @@ _BLOCK_PLAN: dict[str, TPStyle] = {
 _MTP_PLAN: dict[str, TPStyle] = {
     # Multi-token prediction depths: norms on sequence shards; the projection runs on each
     # rank's shard with whole weights (partial gradients, as the experts'); the block as above.
-    "enorm": "norm", "hnorm": "norm", "eh_proj": "local_tokens", "norm": "norm",
+    "enorm": "norm",
+    "hnorm": "norm",
+    "eh_proj": "local_tokens",
+    "norm": "norm",
     **{f"block.{path}": style for path, style in _BLOCK_PLAN.items()},
-}  # fmt: skip
+}
 TP_PLAN = TensorParallelPlan(
     root={"tok_embeddings": "embedding", "norm": "norm", "output": "output"},
     block=_BLOCK_PLAN,

@@ -115,16 +115,30 @@ class DeepseekV3Args:
         if self.rope_factor <= 1:
             return None
         return {
-            "factor": self.rope_factor, "original_seq_len": self.rope_original_seq_len,
-            "beta_fast": self.rope_beta_fast, "beta_slow": self.rope_beta_slow,
-            "mscale": self.rope_mscale, "mscale_all_dim": self.rope_mscale_all_dim,
-        }  # fmt: skip
+            "factor": self.rope_factor,
+            "original_seq_len": self.rope_original_seq_len,
+            "beta_fast": self.rope_beta_fast,
+            "beta_slow": self.rope_beta_slow,
+            "mscale": self.rope_mscale,
+            "mscale_all_dim": self.rope_mscale_all_dim,
+        }
 
     def check(self) -> None:
         """Raise ValueError naming the field for shapes the architecture cannot take."""
-        for name in ("dim", "n_layers", "n_heads", "kv_lora_rank", "qk_nope_head_dim",
-                     "qk_rope_head_dim", "v_head_dim", "dense_hidden_dim", "num_experts",
-                     "top_k", "moe_hidden_dim", "rope_original_seq_len"):  # fmt: skip
+        for name in (
+            "dim",
+            "n_layers",
+            "n_heads",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "v_head_dim",
+            "dense_hidden_dim",
+            "num_experts",
+            "top_k",
+            "moe_hidden_dim",
+            "rope_original_seq_len",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.qk_rope_head_dim % 2:
@@ -132,9 +146,16 @@ class DeepseekV3Args:
         if self.v_head_dim > self.qk_nope_head_dim + self.qk_rope_head_dim:
             raise ValueError(f"v_head_dim {self.v_head_dim} exceeds the query/key head size")
         check_score_func(self)
-        for name in ("q_lora_rank", "shared_experts", "aux_loss_coef", "bias_update_rate",
-                     "capacity_factor", "router_z_loss_coef", "mtp_layers",
-                     "mtp_loss_weight"):  # fmt: skip
+        for name in (
+            "q_lora_rank",
+            "shared_experts",
+            "aux_loss_coef",
+            "bias_update_rate",
+            "capacity_factor",
+            "router_z_loss_coef",
+            "mtp_layers",
+            "mtp_loss_weight",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.mtp_layers >= self.max_seq_len:  # also keeps an absurd count from being built
@@ -156,40 +177,124 @@ _YARN_40 = dict(rope_factor=40.0, rope_original_seq_len=4096)
 FLAVORS: dict[str, DeepseekV3Args] = {
     # About 5 M parameters (3 M active) with the shipped 4 K tokenizer.
     "debugmodel": DeepseekV3Args(
-        dim=256, n_layers=4, n_heads=8, q_lora_rank=0, kv_lora_rank=64, qk_nope_head_dim=32,
-        qk_rope_head_dim=16, v_head_dim=32, dense_hidden_dim=768, first_k_dense=1,
-        num_experts=8, top_k=2, moe_hidden_dim=192, shared_experts=1, n_groups=4,
-        topk_groups=2, route_scale=1.0, tie_embeddings=True,
+        dim=256,
+        n_layers=4,
+        n_heads=8,
+        q_lora_rank=0,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        dense_hidden_dim=768,
+        first_k_dense=1,
+        num_experts=8,
+        top_k=2,
+        moe_hidden_dim=192,
+        shared_experts=1,
+        n_groups=4,
+        topk_groups=2,
+        route_scale=1.0,
+        tie_embeddings=True,
     ),
     # DeepSeek-V2-Lite (TorchTitan calls it 16B): softmax scores, no groups, full-rank query.
     "16B": DeepseekV3Args(
-        dim=2048, n_layers=27, n_heads=16, q_lora_rank=0, **_MLA, dense_hidden_dim=10944,
-        first_k_dense=1, num_experts=64, top_k=6, moe_hidden_dim=1408, shared_experts=2,
-        score_func="softmax", norm_topk=False, n_groups=1, topk_groups=1, route_scale=1.0,
-        aux_loss_coef=0.001, bias_update_rate=0.0, **_YARN_40, rope_mscale=0.707,
+        dim=2048,
+        n_layers=27,
+        n_heads=16,
+        q_lora_rank=0,
+        **_MLA,
+        dense_hidden_dim=10944,
+        first_k_dense=1,
+        num_experts=64,
+        top_k=6,
+        moe_hidden_dim=1408,
+        shared_experts=2,
+        score_func="softmax",
+        norm_topk=False,
+        n_groups=1,
+        topk_groups=1,
+        route_scale=1.0,
+        aux_loss_coef=0.001,
+        bias_update_rate=0.0,
+        **_YARN_40,
+        rope_mscale=0.707,
         rope_mscale_all_dim=0.707,
     ),
     "671B": DeepseekV3Args(
-        dim=7168, n_layers=61, n_heads=128, q_lora_rank=1536, **_MLA, dense_hidden_dim=18432,
-        first_k_dense=3, num_experts=256, top_k=8, moe_hidden_dim=2048, shared_experts=1,
-        n_groups=8, topk_groups=4, route_scale=2.5, **_YARN_40,
+        dim=7168,
+        n_layers=61,
+        n_heads=128,
+        q_lora_rank=1536,
+        **_MLA,
+        dense_hidden_dim=18432,
+        first_k_dense=3,
+        num_experts=256,
+        top_k=8,
+        moe_hidden_dim=2048,
+        shared_experts=1,
+        n_groups=8,
+        topk_groups=4,
+        route_scale=2.5,
+        **_YARN_40,
     ),
     # Kimi K2 (Moonshot AI): DeepSeek-V3's architecture, 384 experts, 64 heads, one dense block;
     # its YaRN keeps no dimension unstretched (beta_fast = beta_slow = 1 in its config.json).
     "kimi_k2": DeepseekV3Args(
-        dim=7168, n_layers=61, n_heads=64, q_lora_rank=1536, **_MLA, dense_hidden_dim=18432,
-        first_k_dense=1, num_experts=384, top_k=8, moe_hidden_dim=2048, shared_experts=1,
-        n_groups=1, topk_groups=1, route_scale=2.827, rope_theta=50_000.0, rope_factor=32.0,
-        rope_original_seq_len=4096, rope_beta_fast=1.0, rope_beta_slow=1.0,
+        dim=7168,
+        n_layers=61,
+        n_heads=64,
+        q_lora_rank=1536,
+        **_MLA,
+        dense_hidden_dim=18432,
+        first_k_dense=1,
+        num_experts=384,
+        top_k=8,
+        moe_hidden_dim=2048,
+        shared_experts=1,
+        n_groups=1,
+        topk_groups=1,
+        route_scale=2.827,
+        rope_theta=50_000.0,
+        rope_factor=32.0,
+        rope_original_seq_len=4096,
+        rope_beta_fast=1.0,
+        rope_beta_slow=1.0,
     ),
-}  # fmt: skip
+}
 
 OVERRIDES = (
-    "dim", "n_layers", "n_heads", "rope_theta", "norm_eps", "tie_embeddings", "q_lora_rank",
-    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_factor",
-    "rope_original_seq_len", "rope_beta_fast", "rope_beta_slow", "rope_mscale",
-    "rope_mscale_all_dim", "dense_hidden_dim", "first_k_dense", "num_experts", "top_k",
-    "moe_hidden_dim", "shared_experts", "score_func", "norm_topk", "n_groups", "topk_groups",
-    "route_scale", "aux_loss_coef", "bias_update_rate", "capacity_factor", "router_z_loss_coef",
-    "mtp_layers", "mtp_loss_weight",
-)  # fmt: skip
+    "dim",
+    "n_layers",
+    "n_heads",
+    "rope_theta",
+    "norm_eps",
+    "tie_embeddings",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "rope_factor",
+    "rope_original_seq_len",
+    "rope_beta_fast",
+    "rope_beta_slow",
+    "rope_mscale",
+    "rope_mscale_all_dim",
+    "dense_hidden_dim",
+    "first_k_dense",
+    "num_experts",
+    "top_k",
+    "moe_hidden_dim",
+    "shared_experts",
+    "score_func",
+    "norm_topk",
+    "n_groups",
+    "topk_groups",
+    "route_scale",
+    "aux_loss_coef",
+    "bias_update_rate",
+    "capacity_factor",
+    "router_z_loss_coef",
+    "mtp_layers",
+    "mtp_loss_weight",
+)

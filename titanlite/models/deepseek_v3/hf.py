@@ -60,17 +60,22 @@ DENSE_NAMES = {f"feed_forward.{w}.weight": f"mlp.{p}.weight" for w, p in PROJECT
 MOE_NAMES = {
     "feed_forward.router.weight": "mlp.gate.weight",
     "feed_forward.expert_bias": "mlp.gate.e_score_correction_bias",
-    **{f"feed_forward.shared.{w}.weight": f"mlp.shared_experts.{p}.weight"
-       for w, p in PROJECTIONS.items()},
-}  # fmt: skip
+    **{
+        f"feed_forward.shared.{w}.weight": f"mlp.shared_experts.{p}.weight"
+        for w, p in PROJECTIONS.items()
+    },
+}
 KV_A = "self_attn.kv_a_proj_with_mqa.weight"
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 
 
 def layer_names(args: DeepseekV3Args, layer: int) -> dict[str, str]:
     """titanlite -> HF names within block ``layer`` (the latent split and experts aside)."""
-    unused = ("attention.wq.",) if args.q_lora_rank else ("attention.wq_a", "attention.q_norm",
-                                                         "attention.wq_b")  # fmt: skip
+    unused = (
+        ("attention.wq.",)
+        if args.q_lora_rank
+        else ("attention.wq_a", "attention.q_norm", "attention.wq_b")
+    )
     names = {k: v for k, v in ATTENTION_NAMES.items() if not k.startswith(unused)}
     if layer < args.first_k_dense:
         return names | DENSE_NAMES
@@ -222,11 +227,15 @@ def _rope_parameters(args: DeepseekV3Args) -> dict[str, Any]:
     if args.yarn is None:
         return {"rope_type": "default", "rope_theta": args.rope_theta}
     return {
-        "rope_type": "yarn", "rope_theta": args.rope_theta, "factor": args.rope_factor,
+        "rope_type": "yarn",
+        "rope_theta": args.rope_theta,
+        "factor": args.rope_factor,
         "original_max_position_embeddings": args.rope_original_seq_len,
-        "beta_fast": args.rope_beta_fast, "beta_slow": args.rope_beta_slow,
-        "mscale": args.rope_mscale, "mscale_all_dim": args.rope_mscale_all_dim,
-    }  # fmt: skip
+        "beta_fast": args.rope_beta_fast,
+        "beta_slow": args.rope_beta_slow,
+        "mscale": args.rope_mscale,
+        "mscale_all_dim": args.rope_mscale_all_dim,
+    }
 
 
 V2_ROUTING = dict(score_func="softmax", n_groups=1, topk_groups=1, bias_update_rate=0.0)
@@ -270,9 +279,12 @@ def to_hf_config(
         for key in ("rope_interleave", "num_nextn_predict_layers"):
             del config[key]
         config |= {
-            "architectures": [V2_ARCHITECTURE], "model_type": V2_MODEL_TYPE,
-            "topk_method": "greedy", "n_group": None, "topk_group": None,
-        }  # fmt: skip
+            "architectures": [V2_ARCHITECTURE],
+            "model_type": V2_MODEL_TYPE,
+            "topk_method": "greedy",
+            "n_group": None,
+            "topk_group": None,
+        }
     return config
 
 
@@ -335,13 +347,17 @@ def from_hf_config(config: Mapping[str, Any]) -> DeepseekV3Args:
     supported = {  # key: (the config's value, the values titanlite runs)
         "rope_interleave": (bool(config.get("rope_interleave", True)), (True,)),
         "rope_type": (rope_type, ("default", "yarn")),
-        "scoring_func": (config.get("scoring_func", "softmax" if v2 else "sigmoid"),
-                         ("softmax",) if v2 else ("sigmoid",)),
-        "num_key_value_heads": (int(config.get("num_key_value_heads") or args.n_heads),
-                                (args.n_heads,)),
+        "scoring_func": (
+            config.get("scoring_func", "softmax" if v2 else "sigmoid"),
+            ("softmax",) if v2 else ("sigmoid",),
+        ),
+        "num_key_value_heads": (
+            int(config.get("num_key_value_heads") or args.n_heads),
+            (args.n_heads,),
+        ),
         "hidden_act": (config.get("hidden_act", "silu"), ("silu",)),
         "attention_bias": (bool(config.get("attention_bias", False)), (False,)),
-    }  # fmt: skip
+    }
     if v2:  # titanlite rates a group by its two best scores, DeepSeek-V2 by its best
         supported["topk_method"] = (config.get("topk_method", "greedy"), ("greedy",))
     for key, (value, runs) in supported.items():

@@ -72,11 +72,14 @@ class GptOssArgs(Qwen3MoeArgs):
         if self.rope_factor == 1.0:
             return None
         return {
-            "factor": self.rope_factor, "beta_fast": self.rope_beta_fast,
-            "beta_slow": self.rope_beta_slow, "truncate": self.rope_truncate,
-            "original_seq_len": self.rope_original_max_seq_len, "mscale": 1.0,
+            "factor": self.rope_factor,
+            "beta_fast": self.rope_beta_fast,
+            "beta_slow": self.rope_beta_slow,
+            "truncate": self.rope_truncate,
+            "original_seq_len": self.rope_original_max_seq_len,
+            "mscale": 1.0,
             "mscale_all_dim": 0.0,
-        }  # fmt: skip
+        }
 
     def check(self) -> None:
         super().check()
@@ -90,17 +93,43 @@ class GptOssArgs(Qwen3MoeArgs):
 FLAVORS: dict[str, GptOssArgs] = {
     # About 8 M parameters with the shipped 4 K tokenizer; windows of 32 at seq_len 256.
     "debugmodel": GptOssArgs(
-        dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32, num_experts=8, top_k=2,
-        moe_hidden_dim=256, sliding_window=32, aux_loss_coef=0.001, max_seq_len=4096,
+        dim=256,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=4,
+        head_dim=32,
+        num_experts=8,
+        top_k=2,
+        moe_hidden_dim=256,
+        sliding_window=32,
+        aux_loss_coef=0.001,
+        max_seq_len=4096,
     ),
     "20b": GptOssArgs(n_layers=24, num_experts=32),
     "120b": GptOssArgs(n_layers=36, num_experts=128),
-}  # fmt: skip
+}
 
 OVERRIDES = (
-    "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "rope_theta", "norm_eps",
-    "num_experts", "top_k", "moe_hidden_dim", "aux_loss_coef", "bias_update_rate",
-    "capacity_factor", "router_z_loss_coef", *ATTENTION_OVERRIDES, "rope_factor",
-    "rope_original_max_seq_len", "rope_beta_fast", "rope_beta_slow", "rope_truncate",
-    "swiglu_alpha", "swiglu_limit",
-)  # fmt: skip
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "head_dim",
+    "rope_theta",
+    "norm_eps",
+    "num_experts",
+    "top_k",
+    "moe_hidden_dim",
+    "aux_loss_coef",
+    "bias_update_rate",
+    "capacity_factor",
+    "router_z_loss_coef",
+    *ATTENTION_OVERRIDES,
+    "rope_factor",
+    "rope_original_max_seq_len",
+    "rope_beta_fast",
+    "rope_beta_slow",
+    "rope_truncate",
+    "swiglu_alpha",
+    "swiglu_limit",
+)

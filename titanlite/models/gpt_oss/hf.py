@@ -93,10 +93,13 @@ def _take(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
 
 def _refuse_what_hf_lacks(args: GptOssArgs) -> None:
     lacking = {
-        "shared_experts": (args.shared_experts, 0), "score_func": (args.score_func, "softmax"),
-        "norm_topk": (args.norm_topk, True), "bias_update_rate": (args.bias_update_rate, 0.0),
-        "capacity_factor": (args.capacity_factor, 0.0), "attention_sinks": (args.attention_sinks, True),
-    }  # fmt: skip
+        "shared_experts": (args.shared_experts, 0),
+        "score_func": (args.score_func, "softmax"),
+        "norm_topk": (args.norm_topk, True),
+        "bias_update_rate": (args.bias_update_rate, 0.0),
+        "capacity_factor": (args.capacity_factor, 0.0),
+        "attention_sinks": (args.attention_sinks, True),
+    }
     for key, (value, plain) in lacking.items():
         if value != plain:
             raise UserError(
@@ -122,11 +125,14 @@ def to_hf_config(
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": args.rope_theta}
     if args.yarn is not None:
         rope = {
-            "rope_type": "yarn", "rope_theta": args.rope_theta, "factor": args.rope_factor,
-            "beta_fast": args.rope_beta_fast, "beta_slow": args.rope_beta_slow,
+            "rope_type": "yarn",
+            "rope_theta": args.rope_theta,
+            "factor": args.rope_factor,
+            "beta_fast": args.rope_beta_fast,
+            "beta_slow": args.rope_beta_slow,
             "truncate": args.rope_truncate,
             "original_max_position_embeddings": args.rope_original_max_seq_len,
-        }  # fmt: skip
+        }
     return {
         "architectures": [HF_ARCHITECTURE],
         "model_type": HF_MODEL_TYPE,
@@ -163,8 +169,10 @@ def from_hf_config(config: Mapping[str, Any]) -> GptOssArgs:
     def build() -> GptOssArgs:
         n_heads = int(config["num_attention_heads"])
         n_layers = int(config["num_hidden_layers"])
-        types = list(config.get("layer_types") or
-                     ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)])  # fmt: skip
+        types = list(
+            config.get("layer_types")
+            or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
+        )
         yarn = rope.get("rope_type") == "yarn"
         return GptOssArgs(
             dim=int(config["hidden_size"]),

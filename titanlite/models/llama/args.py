@@ -70,12 +70,22 @@ FLAVORS: dict[str, LlamaArgs] = {
     # Tens of millions of parameters: the CPU benchmark flavor.
     "bench": LlamaArgs(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, multiple_of=128),
     "1B": LlamaArgs(
-        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5,
-        multiple_of=256, tie_embeddings=True,
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.5,
+        multiple_of=256,
+        tie_embeddings=True,
     ),
     "3B": LlamaArgs(
-        dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0,
-        multiple_of=256, tie_embeddings=True,
+        dim=3072,
+        n_layers=28,
+        n_heads=24,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.0,
+        multiple_of=256,
+        tie_embeddings=True,
     ),
     "8B": LlamaArgs(
         dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024
@@ -84,13 +94,24 @@ FLAVORS: dict[str, LlamaArgs] = {
         dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096
     ),
     "405B": LlamaArgs(
-        dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2,
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.2,
         multiple_of=4096,
     ),
-}  # fmt: skip
+}
 
 OVERRIDES = (
-    "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim_multiplier", "multiple_of",
-    "rope_theta", "norm_eps", "tie_embeddings",
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "ffn_dim_multiplier",
+    "multiple_of",
+    "rope_theta",
+    "norm_eps",
+    "tie_embeddings",
     *ATTENTION_OVERRIDES,
-)  # fmt: skip
+)

@@ -1,7 +1,7 @@
 """The reusable mixture-of-experts layer: router options, grouped experts, balancing.
 
 No torch.distributed: expert parallelism (``titanlite.parallel.expert``) and the trainer's
-routing statistics (``titanlite.moe_tracker``) work through this layer's hooks.
+routing statistics (``titanlite.metrics.moe_tracker``) work through this layer's hooks.
 """
 
 from titanlite.models.moe.experts import GroupedExperts, grouped_mm

@@ -83,9 +83,10 @@ class GroupedExperts(RoutedExperts):
             gate, up = grouped_mm(rows, w1, sizes), grouped_mm(rows, w3, sizes)
             if b1 is not None:  # each row's expert's bias
                 expert = torch.repeat_interleave(
-                    torch.arange(sizes.numel(), device=rows.device), sizes,
+                    torch.arange(sizes.numel(), device=rows.device),
+                    sizes,
                     output_size=rows.shape[0],
-                )  # fmt: skip
+                )
                 gate, up = gate + b1[expert], up + b3[expert]
             if self.clamp is None:
                 hidden = F.silu(gate) * up

@@ -38,7 +38,7 @@ gradients (``aux_weight``, ``router_z_weight``), so no second loss root is neede
 pipeline schedule's backward carries them too. Each training forward adds its tokens per
 expert, dropped slots, auxiliary loss and router z-loss to the layer's running ``totals``
 (not when it is recomputed in backward under activation checkpointing); the trainer's
-``titanlite.moe_tracker.MoETracker`` takes them after the step for the bias updates and the
+``titanlite.metrics.moe_tracker.MoETracker`` takes them after the step for the bias updates and the
 metrics. ``last`` keeps the latest forward's record.
 
 No torch.distributed here: expert parallelism's dispatch and tensor parallelism's sequence
@@ -87,10 +87,12 @@ class MoE(nn.Module):
         self.router = nn.Linear(dim, args.num_experts, bias=getattr(args, "router_bias", False))
         limit = getattr(args, "swiglu_limit", 0.0)
         self.experts = GroupedExperts(
-            args.num_experts, dim, args.moe_hidden_dim,
+            args.num_experts,
+            dim,
+            args.moe_hidden_dim,
             bias=getattr(args, "expert_biases", False),
             clamp=(args.swiglu_alpha, limit) if limit > 0 else None,
-        )  # fmt: skip
+        )
         self.shared = (
             FeedForward(dim, args.shared_experts * args.moe_hidden_dim)
             if args.shared_experts

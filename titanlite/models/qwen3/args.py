@@ -66,7 +66,12 @@ class Qwen3Args(AttentionVariants):
 FLAVORS: dict[str, Qwen3Args] = {
     # About 4 M parameters with the shipped 4 K tokenizer.
     "debugmodel": Qwen3Args(
-        dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32, hidden_dim=768,
+        dim=256,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=4,
+        head_dim=32,
+        hidden_dim=768,
         tie_embeddings=True,
     ),
     "0.6B": Qwen3Args(
@@ -81,10 +86,17 @@ FLAVORS: dict[str, Qwen3Args] = {
     "8B": Qwen3Args(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, hidden_dim=12288),
     "14B": Qwen3Args(dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, hidden_dim=17408),
     "32B": Qwen3Args(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, hidden_dim=25600),
-}  # fmt: skip
+}
 
 OVERRIDES = (
-    "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim", "rope_theta",
-    "norm_eps", "tie_embeddings",
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "head_dim",
+    "hidden_dim",
+    "rope_theta",
+    "norm_eps",
+    "tie_embeddings",
     *ATTENTION_OVERRIDES,
-)  # fmt: skip
+)

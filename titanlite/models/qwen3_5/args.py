@@ -59,10 +59,20 @@ class Qwen35Args:
     """The delta rule's kernel: "auto" runs flash-linear-attention's on CUDA when that package is installed (else the chunked PyTorch one), "torch" always the chunked PyTorch one."""
 
     POSITIVE: ClassVar[tuple[str, ...]] = (
-        "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim",
-        "full_attention_interval", "linear_k_heads", "linear_v_heads", "linear_k_dim",
-        "linear_v_dim", "conv_kernel", "chunk_size",
-    )  # fmt: skip
+        "dim",
+        "n_layers",
+        "n_heads",
+        "n_kv_heads",
+        "head_dim",
+        "hidden_dim",
+        "full_attention_interval",
+        "linear_k_heads",
+        "linear_v_heads",
+        "linear_k_dim",
+        "linear_v_dim",
+        "conv_kernel",
+        "chunk_size",
+    )
     """The fields ``check`` wants at least 1."""
     qk_norm: ClassVar[bool] = True  # zero-centered RMSNorm of each query and key head
     rope_style: ClassVar[str] = "halves"  # rotate_half on the rotated part, as Hugging Face
@@ -91,11 +101,15 @@ class Qwen35Args:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.linear_v_heads % self.linear_k_heads:
-            raise ValueError(f"linear_v_heads {self.linear_v_heads} is not divisible by "
-                             f"linear_k_heads {self.linear_k_heads}")  # fmt: skip
+            raise ValueError(
+                f"linear_v_heads {self.linear_v_heads} is not divisible by "
+                f"linear_k_heads {self.linear_k_heads}"
+            )
         if not 0 < self.partial_rotary <= 1 or self.rope_dim % 2:
-            raise ValueError(f"partial_rotary {self.partial_rotary} must leave an even number "
-                             f"of rotated dimensions in (0, head_dim]")  # fmt: skip
+            raise ValueError(
+                f"partial_rotary {self.partial_rotary} must leave an even number "
+                f"of rotated dimensions in (0, head_dim]"
+            )
         check_decoder_shape(self)
 
 
@@ -103,16 +117,39 @@ class Qwen35Args:
 FLAVORS: dict[str, Qwen35Args] = {
     # About 5 M parameters with the shipped 4 K tokenizer: 3 DeltaNet layers, 1 full.
     "debugmodel": Qwen35Args(
-        dim=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64, hidden_dim=768,
-        linear_k_heads=4, linear_v_heads=8, linear_k_dim=32, linear_v_dim=32,
-        tie_embeddings=True, rope_theta=10_000.0,
+        dim=256,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=64,
+        hidden_dim=768,
+        linear_k_heads=4,
+        linear_v_heads=8,
+        linear_k_dim=32,
+        linear_v_dim=32,
+        tie_embeddings=True,
+        rope_theta=10_000.0,
     ),
     "27B": Qwen35Args(max_seq_len=262144),
-}  # fmt: skip
+}
 
 OVERRIDES = (
-    "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim", "rope_theta",
-    "norm_eps", "tie_embeddings", "partial_rotary", "full_attention_interval",
-    "linear_k_heads", "linear_v_heads", "linear_k_dim", "linear_v_dim", "conv_kernel",
-    "chunk_size", "linear_attention_kernel",
-)  # fmt: skip
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "head_dim",
+    "hidden_dim",
+    "rope_theta",
+    "norm_eps",
+    "tie_embeddings",
+    "partial_rotary",
+    "full_attention_interval",
+    "linear_k_heads",
+    "linear_v_heads",
+    "linear_k_dim",
+    "linear_v_dim",
+    "conv_kernel",
+    "chunk_size",
+    "linear_attention_kernel",
+)

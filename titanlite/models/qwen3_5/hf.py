@@ -177,8 +177,11 @@ def text_config(config: Mapping[str, Any], model_type: str) -> Mapping[str, Any]
     """A multimodal ``config.json``'s ``text_config`` as a text model's (else the config)."""
     if "text_config" not in config:
         return config
-    return {**config["text_config"], "architectures": config.get("architectures"),
-            "model_type": model_type}  # fmt: skip
+    return {
+        **config["text_config"],
+        "architectures": config.get("architectures"),
+        "model_type": model_type,
+    }
 
 
 def hybrid_fields(config: Mapping[str, Any]) -> dict[str, Any]:

@@ -156,14 +156,20 @@ class GatedDeltaNet(nn.Module):
             inputs, conv_documents = split.lead_in(inputs, lead, documents)  # type: ignore[union-attr]
         q, k, v = (
             self.conv(name, t, conv_documents, lead=lead).view(bsz, seq, -1, width)
-            for name, t, width in zip("qkv", inputs, (self.k_dim, self.k_dim, self.v_dim), strict=True)
-        )  # fmt: skip
+            for name, t, width in zip(
+                "qkv", inputs, (self.k_dim, self.k_dim, self.v_dim), strict=True
+            )
+        )
         beta = torch.sigmoid(self.wb(x).float())
         g = self.decay(self.wa(x))
         out = self.core(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2).float(), documents,
-            g=g.transpose(1, 2), beta=beta.transpose(1, 2),
-        ).transpose(1, 2)  # fmt: skip
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2).float(),
+            documents,
+            g=g.transpose(1, 2),
+            beta=beta.transpose(1, 2),
+        ).transpose(1, 2)
         z = self.wz(x).view(bsz, seq, -1, self.v_dim)
         out = (self.norm(out) * F.silu(z.float())).to(x.dtype).reshape(bsz, seq, -1)
         if split is not None:  # back before wo: sequence-parallel TP splits its output by token
@@ -210,10 +216,12 @@ class HybridDecoder(nn.Module):
             args.vocab_size, args.dim, _weight=torch.empty(args.vocab_size, args.dim)
         )
         self.layers = nn.ModuleDict({str(i): HybridBlock(args, i) for i in range(args.n_layers)})
-        attention.log_choice([
-            (block.attention if hasattr(block, "attention") else block.linear_attn).core
-            for block in self.layers.values()
-        ])  # fmt: skip
+        attention.log_choice(
+            [
+                (block.attention if hasattr(block, "attention") else block.linear_attn).core
+                for block in self.layers.values()
+            ]
+        )
         self.norm = OffsetRMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:

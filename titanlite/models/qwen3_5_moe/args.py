@@ -56,8 +56,10 @@ class Qwen35MoeArgs(Qwen35Args):
 
     POSITIVE: ClassVar[tuple[str, ...]] = (
         *(name for name in Qwen35Args.POSITIVE if name != "hidden_dim"),
-        "num_experts", "top_k", "moe_hidden_dim",
-    )  # fmt: skip
+        "num_experts",
+        "top_k",
+        "moe_hidden_dim",
+    )
 
     @property
     def ffn_hidden_dim(self) -> int:
@@ -70,8 +72,13 @@ class Qwen35MoeArgs(Qwen35Args):
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k {self.top_k} exceeds num_experts {self.num_experts}")
         check_score_func(self)
-        for name in ("shared_experts", "aux_loss_coef", "bias_update_rate", "capacity_factor",
-                     "router_z_loss_coef"):  # fmt: skip
+        for name in (
+            "shared_experts",
+            "aux_loss_coef",
+            "bias_update_rate",
+            "capacity_factor",
+            "router_z_loss_coef",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -82,20 +89,46 @@ FLAVORS: dict[str, Qwen35MoeArgs] = {
     # About 9 M parameters (4 M active) with the shipped 4 K tokenizer: 3 DeltaNet blocks,
     # 1 full-attention block, 8 experts (top-2) and a gated shared expert in each.
     "debugmodel": Qwen35MoeArgs(
-        dim=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64, linear_k_heads=4,
-        linear_v_heads=8, linear_k_dim=32, linear_v_dim=32, num_experts=8, top_k=2,
-        moe_hidden_dim=256, tie_embeddings=True, rope_theta=10_000.0,
+        dim=256,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=64,
+        linear_k_heads=4,
+        linear_v_heads=8,
+        linear_k_dim=32,
+        linear_v_dim=32,
+        num_experts=8,
+        top_k=2,
+        moe_hidden_dim=256,
+        tie_embeddings=True,
+        rope_theta=10_000.0,
     ),
     "35B-A3B": Qwen35MoeArgs(max_seq_len=262144),
     "397B-A17B": Qwen35MoeArgs(
-        dim=4096, n_layers=60, n_heads=32, n_kv_heads=2, linear_v_heads=64, num_experts=512,
-        top_k=10, moe_hidden_dim=1024, max_seq_len=262144,
+        dim=4096,
+        n_layers=60,
+        n_heads=32,
+        n_kv_heads=2,
+        linear_v_heads=64,
+        num_experts=512,
+        top_k=10,
+        moe_hidden_dim=1024,
+        max_seq_len=262144,
     ),
-}  # fmt: skip
+}
 
 OVERRIDES = (
     *(key for key in DENSE_OVERRIDES if key != "hidden_dim"),
-    "num_experts", "top_k", "moe_hidden_dim", "shared_experts", "shared_expert_gate",
-    "score_func", "norm_topk", "aux_loss_coef", "bias_update_rate", "capacity_factor",
+    "num_experts",
+    "top_k",
+    "moe_hidden_dim",
+    "shared_experts",
+    "shared_expert_gate",
+    "score_func",
+    "norm_topk",
+    "aux_loss_coef",
+    "bias_update_rate",
+    "capacity_factor",
     "router_z_loss_coef",
-)  # fmt: skip
+)

@@ -32,9 +32,11 @@ HF_ARCHITECTURE = "Qwen3_5MoeForCausalLM"
 MOE_NAMES = {  # titanlite name within a block's feed_forward -> HF name within its mlp
     "router.weight": "gate.weight",
     "shared_gate.weight": "shared_expert_gate.weight",
-    **{f"shared.{w}.weight": f"shared_expert.{p}.weight"
-       for w, p in decoder_hf.EXPERT_PROJECTIONS.items()},
-}  # fmt: skip
+    **{
+        f"shared.{w}.weight": f"shared_expert.{p}.weight"
+        for w, p in decoder_hf.EXPERT_PROJECTIONS.items()
+    },
+}
 _MOE = re.compile(r"layers\.(\d+)\.feed_forward\.(.+)")
 
 

@@ -87,15 +87,28 @@ class Qwen3MoeArgs(AttentionVariants):
 
     def check(self) -> None:
         """Raise ValueError naming the field for shapes the architecture cannot take."""
-        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "num_experts",
-                     "top_k", "moe_hidden_dim"):  # fmt: skip
+        for name in (
+            "dim",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "head_dim",
+            "num_experts",
+            "top_k",
+            "moe_hidden_dim",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k {self.top_k} exceeds num_experts {self.num_experts}")
         check_score_func(self)
-        for name in ("shared_experts", "aux_loss_coef", "bias_update_rate", "capacity_factor",
-                     "router_z_loss_coef"):  # fmt: skip
+        for name in (
+            "shared_experts",
+            "aux_loss_coef",
+            "bias_update_rate",
+            "capacity_factor",
+            "router_z_loss_coef",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         check_moe_routing(self)
@@ -106,23 +119,65 @@ class Qwen3MoeArgs(AttentionVariants):
 FLAVORS: dict[str, Qwen3MoeArgs] = {
     # About 8.1 M parameters (3.4 M active) with the shipped 4 K tokenizer.
     "debugmodel": Qwen3MoeArgs(
-        dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32, num_experts=8, top_k=2,
-        moe_hidden_dim=256, tie_embeddings=True, aux_loss_coef=0.001,
+        dim=256,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=4,
+        head_dim=32,
+        num_experts=8,
+        top_k=2,
+        moe_hidden_dim=256,
+        tie_embeddings=True,
+        aux_loss_coef=0.001,
     ),
     "30B-A3B": Qwen3MoeArgs(
-        dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128, num_experts=128,
-        top_k=8, moe_hidden_dim=768, aux_loss_coef=0.001, max_seq_len=40960,
+        dim=2048,
+        n_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        head_dim=128,
+        num_experts=128,
+        top_k=8,
+        moe_hidden_dim=768,
+        aux_loss_coef=0.001,
+        max_seq_len=40960,
     ),
     "235B-A22B": Qwen3MoeArgs(
-        dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, head_dim=128, num_experts=128,
-        top_k=8, moe_hidden_dim=1536, aux_loss_coef=0.001, max_seq_len=40960,
+        dim=4096,
+        n_layers=94,
+        n_heads=64,
+        n_kv_heads=4,
+        head_dim=128,
+        num_experts=128,
+        top_k=8,
+        moe_hidden_dim=1536,
+        aux_loss_coef=0.001,
+        max_seq_len=40960,
     ),
-}  # fmt: skip
+}
 
 OVERRIDES = (
-    "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "rope_theta", "norm_eps",
-    "tie_embeddings", "num_experts", "top_k", "moe_hidden_dim", "score_func", "norm_topk",
-    "shared_experts", "aux_loss_coef", "bias_update_rate", "capacity_factor",
-    "router_z_loss_coef", "n_groups", "topk_groups", "route_scale", "first_k_dense",
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "head_dim",
+    "rope_theta",
+    "norm_eps",
+    "tie_embeddings",
+    "num_experts",
+    "top_k",
+    "moe_hidden_dim",
+    "score_func",
+    "norm_topk",
+    "shared_experts",
+    "aux_loss_coef",
+    "bias_update_rate",
+    "capacity_factor",
+    "router_z_loss_coef",
+    "n_groups",
+    "topk_groups",
+    "route_scale",
+    "first_k_dense",
     *ATTENTION_OVERRIDES,
-)  # fmt: skip
+)

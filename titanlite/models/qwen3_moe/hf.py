@@ -88,9 +88,9 @@ def from_hf_state_dict(
                     gate, up = fused.chunk(2, dim=1)
                     stacked = gate if weight == "w1" else up
             else:
-                stacked = torch.stack([
-                    _take(experts, f"{prefix}{e}.{proj}.weight") for e in range(args.num_experts)
-                ])  # fmt: skip
+                stacked = torch.stack(
+                    [_take(experts, f"{prefix}{e}.{proj}.weight") for e in range(args.num_experts)]
+                )
             out[f"layers.{layer}.feed_forward.experts.{weight}"] = stacked.transpose(1, 2)
         out[f"layers.{layer}.feed_forward.expert_bias"] = torch.zeros(args.num_experts)
     known = {f"model.layers.{i}.mlp.experts." for i in range(args.n_layers)}

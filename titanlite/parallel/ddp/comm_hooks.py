@@ -1,4 +1,4 @@
-"""Per-bucket communication hooks for :class:`titanlite.parallel.ddp.BucketedDDP`.
+"""Per-bucket communication hooks for :class:`titanlite.parallel.ddp.engine.BucketedDDP`.
 
 The contract is small on purpose. A hook is a callable ``hook(state, bucket) -> Future``:
 

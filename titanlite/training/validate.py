@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from titanlite import distributed
 from titanlite.config.job_config import JobConfig, Validation
 from titanlite.data import held_out
 from titanlite.data.base import Batch
@@ -28,9 +27,10 @@ from titanlite.data.build import build_dataloader
 from titanlite.data.spec import DataSpec
 from titanlite.data.tokenizer import Tokenizer
 from titanlite.data.tokens import is_token_folder
-from titanlite.metrics import MetricsLogger
+from titanlite.metrics.loggers import MetricsLogger
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.parallel_model import ParallelModel
+from titanlite.runtime import distributed
 
 logger = logging.getLogger("titanlite.train")
 
@@ -66,15 +66,22 @@ class Validator:
 
     @classmethod
     def of(
-        cls, cfg: JobConfig, sources: Sequence[tuple[str, DataSpec]], tokenizer: Tokenizer,
+        cls,
+        cfg: JobConfig,
+        sources: Sequence[tuple[str, DataSpec]],
+        tokenizer: Tokenizer,
         dims: ParallelDims,
-    ) -> Validator:  # fmt: skip
+    ) -> Validator:
         """The run's validator (batches cached under the dump folder's validation/)."""
         return cls(
-            cfg.validation, sources, tokenizer=tokenizer, batch_rank=dims.batch_rank,
-            batch_ranks=dims.batch_size, loss_group=dims.group("loss"),
+            cfg.validation,
+            sources,
+            tokenizer=tokenizer,
+            batch_rank=dims.batch_rank,
+            batch_ranks=dims.batch_size,
+            loss_group=dims.group("loss"),
             cache_folder=Path(cfg.job.dump_folder) / "validation",
-        )  # fmt: skip
+        )
 
     def due(self, step: int, last: bool) -> bool:
         return self.config.enable and (step % self.config.freq == 0 or last)
@@ -112,9 +119,12 @@ class Validator:
         if cached is not None or not text or spec in self._uncached:
             return cached, None
         key = held_out.batches_key(
-            spec, self.tokenizer.fingerprint, dp_rank=self.batch_rank, dp=self.batch_ranks,
+            spec,
+            self.tokenizer.fingerprint,
+            dp_rank=self.batch_rank,
+            dp=self.batch_ranks,
             steps=self.config.steps,
-        )  # fmt: skip
+        )
         disk = (self.cache_folder / f"dp{self.batch_rank}-of-{self.batch_ranks}.pt", key)
         cached = held_out.load(*disk)
         # The same batches a scan would give, so ranks may differ in which read them; one kept
@@ -153,8 +163,9 @@ class Validator:
                 if recorded_bytes > VALIDATION_CACHE_BYTES:  # the same on every rank
                     logger.info(
                         "validation: the batches are over the %d MiB cache; every pass reads "
-                        "them again", VALIDATION_CACHE_BYTES >> 20,
-                    )  # fmt: skip
+                        "them again",
+                        VALIDATION_CACHE_BYTES >> 20,
+                    )
                     self._uncached.add(spec)
                     recorded = None
             # Every rank must run the same number of forwards (FSDP gathers inside them).
@@ -174,8 +185,9 @@ class Validator:
             self._cache[spec] = recorded
             logger.info(
                 "validation: %d batches kept for later passes (%.1f MiB in all)",
-                len(recorded), recorded_bytes / 2**20,
-            )  # fmt: skip
+                len(recorded),
+                recorded_bytes / 2**20,
+            )
             if disk is not None:
                 held_out.save(*disk, recorded)
         loss_sum = distributed.all_reduce(loss_sum, dist.ReduceOp.SUM, self.loss_group)

@@ -22,8 +22,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from titanlite import distributed
 from titanlite.data.batches import IGNORE_INDEX
+from titanlite.runtime import distributed
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 from titanlite import IMPORT_STARTED
 from titanlite.config.job_config import JobConfig
 from titanlite.config.layout import MESH_DIMS, Degrees
-from titanlite.metrics import (
+from titanlite.metrics.loggers import (
     MetricsLogger,
     cuda_memory_stats,
     device_name,
@@ -138,11 +138,15 @@ def write_run_files(dump_folder: Path, config_toml: str, facts: RunFacts) -> Non
     logger.info(
         "model %s/%s: %s parameters%s, %.3g FLOPs per token; global batch %d x %d tokens "
         "(%d micro-batches per step)",
-        facts.model_name, facts.flavor, f"{facts.num_params:,}",
+        facts.model_name,
+        facts.flavor,
+        f"{facts.num_params:,}",
         f" ({active:,} active)" if active != facts.num_params else "",
-        facts.throughput.flops_per_token, facts.global_batch_size, facts.seq_len,
+        facts.throughput.flops_per_token,
+        facts.global_batch_size,
+        facts.seq_len,
         facts.gradient_accumulation_steps,
-    )  # fmt: skip
+    )
 
 
 def metrics_logger(cfg: JobConfig, dump_folder: Path, is_main: bool) -> MetricsLogger:
@@ -259,8 +263,12 @@ class StepLogger:
         logger.warning(
             "MFU %.0f%% is above 100%%: the cached peak of %.3g FLOP/s must have been measured "
             "while the machine was busy; measured again: %.3g FLOP/s, MFU %.0f%% (saved in %s)",
-            mfu, stale, t.peak_flops, again, peak_cache_file(),
-        )  # fmt: skip
+            mfu,
+            stale,
+            t.peak_flops,
+            again,
+            peak_cache_file(),
+        )
         return again
 
     def log(self, stats: StepStats) -> None:

@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from titanlite.parallel.comm_hooks import CommHook, GradBucket, bf16_compress_hook
-from titanlite.parallel.ddp_reducer import Reducer
-from titanlite.parallel.ddp_support import (
+from titanlite.parallel.ddp.comm_hooks import CommHook, GradBucket, bf16_compress_hook
+from titanlite.parallel.ddp.reducer import Reducer
+from titanlite.parallel.ddp.support import (
     IterationStats,
     assign_buckets,
     broadcast_coalesced,
@@ -102,12 +102,15 @@ class BucketedDDP(nn.Module):
 
         self._require_sync = True
         self._reducer = Reducer(
-            names, params, locals_, process_group,
+            names,
+            params,
+            locals_,
+            process_group,
             first_bucket_cap_bytes=self.first_bucket_cap_bytes,
             bucket_cap_bytes=self.bucket_cap_bytes,
             find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view,
-        )  # fmt: skip
+        )
         logger.info(
             "BucketedDDP: %d parameters in %d buckets over %d ranks",
             len(params),

@@ -26,7 +26,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from titanlite import stop_signals
+from titanlite.runtime import stop_signals
 
 logger = logging.getLogger(__name__)
 
@@ -69,9 +69,14 @@ def is_comm_failure(error: BaseException) -> bool:
     text = str(error)
     return any(
         mark in text
-        for mark in ("gloo/transport", "Connection reset", "Connection closed", "Timed out waiting",
-                     "NCCL")
-    )  # fmt: skip
+        for mark in (
+            "gloo/transport",
+            "Connection reset",
+            "Connection closed",
+            "Timed out waiting",
+            "NCCL",
+        )
+    )
 
 
 class Heartbeat:
@@ -88,8 +93,9 @@ class Heartbeat:
         self._thread: threading.Thread | None = None
         if self._store is not None:
             self._write()
-            self._thread = threading.Thread(target=self._run, name="titanlite-heartbeat",
-                                            daemon=True)  # fmt: skip
+            self._thread = threading.Thread(
+                target=self._run, name="titanlite-heartbeat", daemon=True
+            )
             self._thread.start()
 
     def beat(self, step: int) -> None:
@@ -132,9 +138,11 @@ class Heartbeat:
                 if lost:
                     self._warned_step = self.step
                     logger.error(
-                        "step %d has waited %.0f s for other ranks; %s", self.step, stuck,
+                        "step %d has waited %.0f s for other ranks; %s",
+                        self.step,
+                        stuck,
                         self._describe(lost, self._read_all()),
-                    )  # fmt: skip
+                    )
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -153,9 +161,10 @@ class Heartbeat:
     def _stale_ranks(self, beats: dict[int, tuple[float, int] | None]) -> list[int]:
         now = time.time()
         return [
-            r for r, b in beats.items()
+            r
+            for r, b in beats.items()
             if r != self.rank and (b is None or now - b[0] > self.stale_s)
-        ]  # fmt: skip
+        ]
 
     def _describe(self, lost: list[int], beats: dict[int, tuple[float, int] | None]) -> str:
         now = time.time()
@@ -163,9 +172,10 @@ class Heartbeat:
         for r in lost[:8]:
             b = beats.get(r)
             parts.append(
-                f"rank {r} (no heartbeat ever)" if b is None
+                f"rank {r} (no heartbeat ever)"
+                if b is None
                 else f"rank {r} (no heartbeat for {now - b[0]:.0f} s, last at step {b[1]})"
-            )  # fmt: skip
+            )
         more = f" and {len(lost) - 8} more" if len(lost) > 8 else ""
         return f"lost {', '.join(parts)}{more}"
 
@@ -194,8 +204,10 @@ class Heartbeat:
         low = min(steps.values(), default=self.step)
         behind = sorted(r for r, s in steps.items() if s == low)
         if steps and low < max(steps.values()):
-            return (f"every rank still has a heartbeat; rank(s) {_ranks(behind)} are behind at "
-                    f"step {low} (hung, or slower than the timeout)")  # fmt: skip
+            return (
+                f"every rank still has a heartbeat; rank(s) {_ranks(behind)} are behind at "
+                f"step {low} (hung, or slower than the timeout)"
+            )
         return "every rank still has a heartbeat, all at the same step (a rank may be hung)"
 
 
@@ -208,9 +220,11 @@ def failure_message(error: BaseException) -> str:
     cause = " ".join(str(error).split())
     cause = re.sub(r"\[[^\]]*\.(cc|cpp|h)p?:\d+\]\s*", "", cause)  # gloo's "[.../pair.cc:537] "
     cause = cause.split(" This is typically caused")[0][:200]
-    return (f"a collective failed {where}: {who} ({cause}); the checkpoints on disk are "
-            "intact: run the same command to resume (torchrun restarts by itself with "
-            "MAX_RESTARTS > 0)")  # fmt: skip
+    return (
+        f"a collective failed {where}: {who} ({cause}); the checkpoints on disk are "
+        "intact: run the same command to resume (torchrun restarts by itself with "
+        "MAX_RESTARTS > 0)"
+    )
 
 
 def _stop_asked() -> str | None:

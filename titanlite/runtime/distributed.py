@@ -52,19 +52,26 @@ def init(seed: int, timeout_s: float | None = None) -> DistInfo:
         backend = "gloo"
     if not dist.is_initialized():
         join_group(
-            backend, rank, world, device_id=_device_id(device),
+            backend,
+            rank,
+            world,
+            device_id=_device_id(device),
             timeout=timedelta(seconds=timeout_s) if timeout_s else None,
-        )  # fmt: skip
+        )
     if timeout_s:
-        from titanlite.heartbeat import set_timeouts
+        from titanlite.runtime.heartbeat import set_timeouts
 
         set_timeouts(timeout_s)  # also for the groups made later (the mesh's)
     torch.manual_seed(seed)
     info = DistInfo(rank, world, local_rank, local_world, device)
     logger.info(
         "world size %d (%d per node), device %s, backend %s, %d threads per rank",
-        world, local_world, device, backend, torch.get_num_threads(),
-    )  # fmt: skip
+        world,
+        local_world,
+        device,
+        backend,
+        torch.get_num_threads(),
+    )
     return info
 
 

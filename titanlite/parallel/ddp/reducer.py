@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from titanlite.parallel.comm_hooks import CommHook, GradBucket
-from titanlite.parallel.ddp_support import (
+from titanlite.parallel.ddp.comm_hooks import CommHook, GradBucket
+from titanlite.parallel.ddp.support import (
     Iteration,
     IterationStats,
     allocate_buckets,

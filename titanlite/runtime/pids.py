@@ -1,5 +1,5 @@
 """Whether a pid still names the process it named: pids are reused once their process is gone,
-so a record naming a process (titanlite.run_lock) keeps its start time too. Linux's /proc
+so a record naming a process (titanlite.runtime.run_lock) keeps its start time too. Linux's /proc
 tells both; elsewhere only whether the pid answers."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The signals that ask a trainer process to stop, recorded from its first moments.
 
 SIGTERM and SIGUSR1 (preemption) and SIGINT (Ctrl-C) each ask the run to stop at the next
-step boundary; ``titanlite.stop_vote`` makes every rank stop at the same step. This module
+step boundary; ``titanlite.runtime.stop_vote`` makes every rank stop at the same step. This module
 is torch-free so that ``titanlite.train`` installs it before importing torch: a Ctrl-C during
 those seconds must become the same orderly stop, not a KeyboardInterrupt traceback.
 

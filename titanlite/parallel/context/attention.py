@@ -77,8 +77,9 @@ def chunk_positions(local_len: int, cp: int, rank: int) -> torch.Tensor:
         raise ValueError(f"a context-parallel share of {local_len} tokens is not two chunks")
     c = local_len // 2
     first, second = rank, 2 * cp - 1 - rank
-    return torch.cat([torch.arange(first * c, (first + 1) * c),
-                      torch.arange(second * c, (second + 1) * c)])  # fmt: skip
+    return torch.cat(
+        [torch.arange(first * c, (first + 1) * c), torch.arange(second * c, (second + 1) * c)]
+    )
 
 
 def _holder(position: int, c: int, cp: int) -> tuple[int, int]:
@@ -163,8 +164,9 @@ class WindowExchange:
             lo = max(0, j * c - (window - 1))
             rows = [arrived.get(p, _holder(p, c, cp)[1]) for p in range(lo, (j + 1) * c)]
             spans.append((torch.tensor(rows, device=device), lo, j * c))
-        return WindowExchange(torch.tensor(send, dtype=torch.long, device=device),
-                              send_counts, recv_counts, spans)  # fmt: skip
+        return WindowExchange(
+            torch.tensor(send, dtype=torch.long, device=device), send_counts, recv_counts, spans
+        )
 
 
 class ContextParallel:
@@ -267,10 +269,16 @@ class ContextParallel:
         for i, (rows, lo, first) in enumerate(plan.spans):
             keys, values = source.index_select(0, rows).permute(1, 2, 3, 0, 4)
             docs = None if documents is None else documents[:, lo : first + c]
-            outs.append(core.attend(
-                q[:, :, i * c : (i + 1) * c], keys, values, [(first - lo, c)],
-                documents=docs, masked=self.masked,
-            ))  # fmt: skip
+            outs.append(
+                core.attend(
+                    q[:, :, i * c : (i + 1) * c],
+                    keys,
+                    values,
+                    [(first - lo, c)],
+                    documents=docs,
+                    masked=self.masked,
+                )
+            )
         return torch.cat(outs, dim=2)
 
 
@@ -294,9 +302,12 @@ def apply_cp(model: nn.Module, context: ContextParallel, seq_len: int | None = N
         local, cp = seq_len // context.degree, context.degree
         tokens = max(len(r) for r in window_reach(local, cp, window))
         logger.info(
-            "context parallelism: %d layer(s) with a window of %d %s", count, window,
+            "context parallelism: %d layer(s) with a window of %d %s",
+            count,
+            window,
             f"receive only the keys and values their windows reach: at most {tokens} tokens "
-            f"per rank and layer instead of {(cp - 1) * local}" if tokens < (cp - 1) * local
+            f"per rank and layer instead of {(cp - 1) * local}"
+            if tokens < (cp - 1) * local
             else "gather every key and value (their windows reach as far)",
-        )  # fmt: skip
+        )
     return len(cores)

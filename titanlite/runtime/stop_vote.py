@@ -2,7 +2,7 @@
 
 SIGTERM/SIGUSR1 (cluster preemption, SLURM's warning signal) ask the run to finish the current
 step, save, and exit with EXIT_PREEMPTED; Ctrl-C (SIGINT) does the same and exits with
-EXIT_INTERRUPTED (titanlite.stop_signals records them, and handles a second Ctrl-C);
+EXIT_INTERRUPTED (titanlite.runtime.stop_signals records them, and handles a second Ctrl-C);
 checkpoint.interval_minutes asks for a save once this rank's clock says so. Ranks get signals
 and read clocks at different moments, but must stop or save at the same step: after each step
 every rank votes (an asynchronous all-reduce of one small integer), and the next step's end
@@ -28,8 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from titanlite import distributed, stop_signals
 from titanlite.errors import Interrupted, Preempted
+from titanlite.runtime import distributed, stop_signals
 
 PREEMPTED, INTERRUPTED = 1, 2  # vote levels
 
@@ -86,8 +86,10 @@ class StopVote:
             where = f"during start-up, before step {step}" if startup else f"at step {step}"
             return Interrupted.at(where, saved)
         if startup:
-            return Preempted(f"stopped during start-up on signal {self.signal}, before step "
-                             f"{step}; nothing new to save")  # fmt: skip
+            return Preempted(
+                f"stopped during start-up on signal {self.signal}, before step "
+                f"{step}; nothing new to save"
+            )
         done = "; checkpoint saved" if saved else ""
         return Preempted(f"stopped at step {step} on signal {self.signal}{done}")
 

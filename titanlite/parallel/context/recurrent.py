@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titanlite.models.interfaces import AttentionCore, find
-from titanlite.parallel.context import ContextParallel, _GatherSequence
+from titanlite.parallel.context.attention import ContextParallel, _GatherSequence
 
 
 class RecurrentContext:
@@ -46,8 +46,10 @@ class RecurrentContext:
         self.group, self.degree, self.rank = context.group, context.degree, context.rank
         self.mine = (self.rank, 2 * self.degree - 1 - self.rank)  # this rank's chunks, in order
         # Gathered pieces arrive rank by rank, (early, late) each: index of chunk j in them.
-        self.chunk_order = [2 * j if j < self.degree else 2 * (2 * self.degree - 1 - j) + 1
-                            for j in range(2 * self.degree)]  # fmt: skip
+        self.chunk_order = [
+            2 * j if j < self.degree else 2 * (2 * self.degree - 1 - j) + 1
+            for j in range(2 * self.degree)
+        ]
         self.received_bytes = 0
         """Bytes this rank received in forward all-gathers (the backward reduce-scatters
         send as many): what tests and docs compare with gathering keys and values."""

@@ -35,8 +35,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from titanlite import pids
 from titanlite.errors import EXIT_USER_ERROR, UserError
+from titanlite.runtime import pids
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ REQUEUE_WAIT_S = 300.0
 RUN_MARKERS = (LOCK_FILE, "run.json")  # what makes a folder a run's (run.json: written first)
 
 
-class Ranks(Protocol):  # titanlite.distributed.DistInfo, without importing torch here
+class Ranks(Protocol):  # titanlite.runtime.distributed.DistInfo, without importing torch here
     rank: int
     world_size: int
 
@@ -77,19 +77,27 @@ class Holder:
         now = time.time()
         job = f", SLURM job {self.job}" if self.job else ""
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
-        return (f"{self.what}: pid {self.pid} on host {self.host}{job}, started {started}, "
-                f"last heartbeat {max(now - self.heartbeat, 0):.0f} s ago")  # fmt: skip
+        return (
+            f"{self.what}: pid {self.pid} on host {self.host}{job}, started {started}, "
+            f"last heartbeat {max(now - self.heartbeat, 0):.0f} s ago"
+        )
 
 
 def this_process(what: str) -> Holder:
     now = time.time()
     return Holder(
-        host=socket.gethostname(), pid=os.getpid(), pid_start=pids.start_time(os.getpid()),
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        pid_start=pids.start_time(os.getpid()),
         job=os.environ.get("SLURM_JOB_ID") or None,
-        attempt=os.environ.get("SLURM_RESTART_COUNT", "0") if os.environ.get("SLURM_JOB_ID")
+        attempt=os.environ.get("SLURM_RESTART_COUNT", "0")
+        if os.environ.get("SLURM_JOB_ID")
         else None,
-        what=what, started=now, heartbeat=now, token=uuid.uuid4().hex,
-    )  # fmt: skip
+        what=what,
+        started=now,
+        heartbeat=now,
+        token=uuid.uuid4().hex,
+    )
 
 
 def read(path: Path) -> Holder | None:
@@ -109,9 +117,17 @@ def read(path: Path) -> Holder | None:
         fields: dict[str, Any] = json.loads(text)
         return Holder(**fields)
     except (ValueError, TypeError):
-        return Holder(host="?", pid=0, pid_start=None, job=None, attempt=None,
-                      what="an unreadable lock file", started=mtime, heartbeat=mtime,
-                      token="")  # fmt: skip
+        return Holder(
+            host="?",
+            pid=0,
+            pid_start=None,
+            job=None,
+            attempt=None,
+            what="an unreadable lock file",
+            started=mtime,
+            heartbeat=mtime,
+            token="",
+        )
 
 
 def gone(holder: Holder) -> str | None:
@@ -155,21 +171,26 @@ class RunLock:
     def __init__(self, path: Path, holder: Holder) -> None:
         self.path, self.holder = path, holder
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._refresh_loop, name="titanlite-run-lock",
-                                        daemon=True)  # fmt: skip
+        self._thread = threading.Thread(
+            target=self._refresh_loop, name="titanlite-run-lock", daemon=True
+        )
         self._thread.start()
 
     def refresh(self) -> None:
         current = read(self.path)
         if current is None:  # deleted by hand: this run still holds the folder
-            logger.warning("%s was deleted while this run holds the folder; writing it again",
-                           self.path)  # fmt: skip
+            logger.warning(
+                "%s was deleted while this run holds the folder; writing it again", self.path
+            )
         elif current.token != self.holder.token:
             # Another run judged this one gone (its heartbeat stopped for over a minute: the
             # process was frozen, or the filesystem away) and holds the folder now. Writing
             # on would make two runs in one folder: stop here, saving nothing.
-            logger.error("lost job.dump_folder %s to another run (%s): exiting without saving",
-                         self.path.parent, current.describe())  # fmt: skip
+            logger.error(
+                "lost job.dump_folder %s to another run (%s): exiting without saving",
+                self.path.parent,
+                current.describe(),
+            )
             os._exit(EXIT_USER_ERROR)
         self.holder = _replace_heartbeat(self.holder)
         _write(self.path, self.holder)
@@ -226,15 +247,24 @@ def _acquire(folder: Path, what: str, wait_s: float) -> RunLock:
         reason = gone(holder)
         if reason is not None:
             if _take_over(path, holder, me.token):
-                logger.warning("taking over job.dump_folder %s from a run that is gone (%s: %s)",
-                               folder, holder.describe(), reason)  # fmt: skip
+                logger.warning(
+                    "taking over job.dump_folder %s from a run that is gone (%s: %s)",
+                    folder,
+                    holder.describe(),
+                    reason,
+                )
             continue
         left = deadline - time.monotonic()
         if _earlier_attempt(holder, me) and left > 0:
             if not waited:
-                logger.warning("waiting up to %g s for the previous attempt of SLURM job %s "
-                               "to release %s (%s)", wait_s, me.job, folder,
-                               holder.describe())  # fmt: skip
+                logger.warning(
+                    "waiting up to %g s for the previous attempt of SLURM job %s "
+                    "to release %s (%s)",
+                    wait_s,
+                    me.job,
+                    folder,
+                    holder.describe(),
+                )
                 waited = True
             time.sleep(min(1.0, left))  # not past the deadline
             continue

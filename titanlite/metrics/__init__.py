@@ -1,0 +1,8 @@
+"""What a run reports: loggers (console, metrics.jsonl, wandb, TensorBoard) and device facts
+(``loggers``), reading metrics.jsonl back (``jsonl``), run.json and the step line
+(``run_info``), profiling traces (``profiling``), mixture-of-experts routing statistics
+(``moe_tracker``), and how two runs' numbers are compared (``compare``).
+
+May import: the root's cross-cutting modules, config, models (specs and interfaces), optim
+(resolved groups, for run.json), torch. Never parallel/ or the trainer.
+"""

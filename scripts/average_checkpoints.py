@@ -4,9 +4,10 @@
         --out outputs/run/averaged
 
 Every tensor of the model state is the mean of its values in the checkpoints (summed in
-float64 on the CPU of one process, stored in float32). The result is a complete titanlite checkpoint folder (DCP "model"
-+ titanlite.json with model_only=true, the last checkpoint's tokenizer) that
-scripts/convert_to_hf.py, scripts/generate.py and checkpoint.initial_load_path take.
+float64 on the CPU of one process, stored in float32). The result is a complete titanlite
+checkpoint folder (DCP "model" + titanlite.json with model_only=true, the last checkpoint's
+tokenizer) that scripts/convert_to_hf.py, scripts/generate.py and checkpoint.initial_load_path
+take.
 
 The checkpoints must be of one run: in one checkpoint folder, of the same model (family and
 shape); anything else is a one-line error (exit 2). Averaging the last checkpoints of a run

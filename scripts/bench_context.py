@@ -21,7 +21,7 @@ Per rank it measures, over one training step:
     python scripts/bench_context.py --seq-lens 4096 --cp 1 2 4 --windows 0 128
 
 ``--windows``: a sliding window of that many keys on every layer (0: full attention); a
-windowed layer receives only the keys its windows reach (titanlite/parallel/context/attention.py).
+windowed layer receives only the keys its windows reach (titanlite/parallel/context/window.py).
 
 With more ranks than cores the ranks also wait for a core: wall time then overstates a step,
 so the table's step-time ratio is per-rank CPU time against cp 1 (what a rank per core or

@@ -5,7 +5,7 @@ per-step time (forward + backward + gradient communication, median over the meas
 slowest rank per step) of each method on a transformer-like MLP stack:
 
   floor      no communication at all
-  titanlite  titanlite.parallel.ddp.engine.BucketedDDP, swept over --bucket-caps (MiB)
+  titanlite  titanlite.parallel.ddp.BucketedDDP, swept over --bucket-caps (MiB)
   torch      torch.nn.parallel.DistributedDataParallel at the same caps
   per-param  after backward, one async all-reduce per parameter gradient, then wait
   flat       after backward, concatenate all gradients into one all-reduce
@@ -34,7 +34,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from titanlite.parallel.ddp.engine import BucketedDDP
+from titanlite.parallel.ddp import BucketedDDP
 
 
 class Block(nn.Module):
@@ -210,7 +210,8 @@ def main() -> None:
     )
     print(
         f"model: {args.depth} MLP blocks of width {args.dim} ({nparams / 1e6:.1f}M parameters, "
-        f"fp32), {args.batch} rows per rank; {args.steps} measured steps after {args.warmup} warmup\n"
+        f"fp32), {args.batch} rows per rank; "
+        f"{args.steps} measured steps after {args.warmup} warmup\n"
     )
     print(format_table(results, args.bucket_caps))
 

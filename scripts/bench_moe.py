@@ -6,11 +6,11 @@ dispatch and combine.
 Runs titanlite's Trainer on --world gloo processes (one process group per layout, one
 intra-op thread per rank), fp32, the same global batch for every layout: dp_shard = world
 (FSDP) and the expert-parallel degree borrowed from it (at ep 1 FSDP alone shards the
-experts, and each rank computes every expert on its own tokens). The dense baseline is qwen3 debugmodel with the feed-forward width (top_k x
-moe_hidden_dim, plus the router's share rounded in) that gives it about the MoE's active
-parameter count, on the same layout; for deepseek_v3 it is the DeepSeek-V3 debug model itself
-with every block dense (the same latent attention) at the width that gives it the MoE's active
-parameters. Per rank, median over the measured steps:
+experts, and each rank computes every expert on its own tokens). The dense baseline is qwen3
+debugmodel with the feed-forward width (top_k x moe_hidden_dim, plus the router's share rounded
+in) that gives it about the MoE's active parameter count, on the same layout; for deepseek_v3
+it is the DeepSeek-V3 debug model itself with every block dense (the same latent attention) at
+the width that gives it the MoE's active parameters. Per rank, median over the measured steps:
 
   step          wall time of Trainer.train_step; the table shows the slowest rank's, and
                 tokens/s is the global batch's tokens over it

@@ -112,7 +112,9 @@ def time_steps(flavor: str, steps: int) -> None:
         for p in model.parameters():
             torch.nn.init.normal_(p, std=0.02)
         cfg = load_config(["--optimizer.name", name])
-        optimizer, _ = build_optimizer(model, cfg.optimizer, torch.device("cpu"), muon=cfg.muon)
+        optimizer, _ = build_optimizer(
+            model, cfg.optimizer, torch.device("cpu"), sections=cfg.components
+        )
         walls, cpus = [], []
         for _ in range(steps + 2):
             for p in model.parameters():

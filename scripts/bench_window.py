@@ -12,9 +12,10 @@ random tokens (the optimizer step left out: it does not depend on attention). Va
 Per variant: the attention FLOPs per token and the model's (titanlite's formula, which MFU
 uses), and the median over the measured steps of the step's wall and CPU time. Then, per
 context-parallel degree (--cp), the bytes of keys and values the busiest cp rank receives in
-one step's forward for one sequence (``titanlite.parallel.context.attention.kv_bytes_received``, what
-the exchange plans send; the backward sends as many back): windowed layers receive only the
-keys their windows reach, full ones gather the sequence.
+one step's forward for one sequence
+(``titanlite.parallel.context.window.kv_bytes_received``, what the exchange plans send; the
+backward sends as many back): windowed layers receive only the keys their windows reach, full
+ones gather the sequence.
 
     python scripts/bench_window.py --seq-len 4096 --window 128 [--bytes-only]
 """
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 from titanlite.models import get
 from titanlite.models.decoder_spec import attention_flops_per_token
 from titanlite.models.init import init_parameters
-from titanlite.parallel.context.attention import kv_bytes_received
+from titanlite.parallel.context.window import kv_bytes_received
 
 VARIANTS = {"window, LG": ("LG", True), "window, L": ("L", True), "full": ("L", False)}
 
@@ -119,16 +120,20 @@ def main(argv: list[str] | None = None) -> int:
     full = rows["full"]
     print(
         f"gpt-oss debugmodel, seq_len {args.seq_len}, window {args.window}, 1 sequence, fp32, "
-        f"1 thread, forward + backward; torch {torch.__version__}, {platform.processor() or platform.machine()}"
+        f"1 thread, forward + backward; torch {torch.__version__}, "
+        f"{platform.processor() or platform.machine()}"
     )
     print(
-        "| variant | attention FLOPs/token | model FLOPs/token | step wall s | step CPU s | CPU vs full |"
+        "| variant | attention FLOPs/token | model FLOPs/token "
+        "| step wall s | step CPU s | CPU vs full |"
     )
     print("|---|---|---|---|---|---|")
     for name, r in rows.items():
         print(
-            f"| {name} | {r['attention_flops']:.3g} ({r['attention_flops'] / full['attention_flops']:.2f}x) "
-            f"| {r['flops']:.3g} | {r['wall_s']:.2f} | {r['cpu_s']:.2f} | {r['cpu_s'] / full['cpu_s']:.2f}x |"
+            f"| {name} | {r['attention_flops']:.3g} "
+            f"({r['attention_flops'] / full['attention_flops']:.2f}x) "
+            f"| {r['flops']:.3g} | {r['wall_s']:.2f} | {r['cpu_s']:.2f} "
+            f"| {r['cpu_s'] / full['cpu_s']:.2f}x |"
         )
     print_cp_bytes(args)
     return 0

@@ -57,7 +57,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--tasks",
         required=True,
-        help="comma-separated lm-eval task names or glob patterns, task YAML files, folders of them",
+        help="comma-separated lm-eval task names or glob patterns, task YAML files, "
+        "folders of them",
     )
     parser.add_argument(
         "--include-path",
@@ -177,7 +178,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     results.pop("samples", None)
     info = results["titanlite"]
     print(
-        f"{args.checkpoint} (step {info['step']}, {info['weights']} weights, {args.dtype} on {info['device']})"
+        f"{args.checkpoint} (step {info['step']}, {info['weights']} weights, "
+        f"{args.dtype} on {info['device']})"
     )
     print(harness.results_tables(results))
     if args.output is not None:

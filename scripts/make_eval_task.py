@@ -92,7 +92,8 @@ def read_rows(source: str, split: str, name: str | None) -> Iterable[dict[str, A
         return datasets.load_dataset(source, name, split=split)
     except Exception as e:  # noqa: BLE001 (the Hub's many failure types: one line)
         raise UserError(
-            f"{source}: could not load split {split!r} from the Hub ({' '.join(str(e).split())[:200]})"
+            f"{source}: could not load split {split!r} from the Hub "
+            f"({' '.join(str(e).split())[:200]})"
         ) from None
 
 

@@ -1,6 +1,7 @@
 """Tokenize a titanlite config's training source once, into a folder of token shards.
 
-    python scripts/pretokenize.py [CONFIG.toml] --out DIR [--shard-tokens N] [--section.key value ...]
+    python scripts/pretokenize.py [CONFIG.toml] --out DIR [--shard-tokens N] \\
+        [--section.key value ...]
     python scripts/pretokenize.py --verify DIR
 
 The source (training.dataset / dataset_path / dataset_config / text_field), the tokenizer

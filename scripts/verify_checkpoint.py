@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             size = sum(p.stat().st_size for p in target.glob("*.distcp"))
             print(
-                f"{target}: ok ({size / 2**20:,.1f} MiB, {checked}, {time.perf_counter() - started:.1f} s)"
+                f"{target}: ok ({size / 2**20:,.1f} MiB, {checked}, "
+                f"{time.perf_counter() - started:.1f} s)"
             )
     return EXIT_USER_ERROR if bad else 0
 

@@ -58,8 +58,9 @@ def hybrid_matches_full(rank: int, world: int, seq: int, documents: bool) -> dic
     rank's chunks, given the whole sequence's document ids, gives the logits at this rank's
     positions and (summed over ranks) the parameter gradients of one process; returns the
     largest differences relative to each tensor's largest element (the DeltaNet layers
-    compute in float32 even in a float64 model, so these are float32 round-off) and the bytes the linear layers' split
-    received against what gathering their keys and values would have."""
+    compute in float32 even in a float64 model, so these are float32 round-off) and the bytes
+    the linear layers' split received against what gathering their keys and values would
+    have."""
     from titanlite.models import get
     from titanlite.models.init import init_parameters
     from titanlite.models.qwen3_5.args import Qwen35Args

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
-from titanlite.parallel.ddp.engine import BucketedDDP
+from titanlite.parallel.ddp import BucketedDDP
 
 ATOL, RTOL = 1e-6, 1e-5
 TINY_MB = 0.0002  # ~200-byte buckets: most tensors of the tiny models below get their own

@@ -34,8 +34,7 @@ from ddp_models import (
 )
 from torch import nn
 
-from titanlite.parallel.ddp.comm_hooks import GradBucket, allreduce_hook
-from titanlite.parallel.ddp.engine import BucketedDDP, bf16_compress_hook
+from titanlite.parallel.ddp import BucketedDDP, GradBucket, allreduce_hook, bf16_compress_hook
 
 
 def parity_tiny_buckets_sgd(rank: int, world: int) -> None:

@@ -93,7 +93,8 @@ def train_with_spikes(
             unchanged[step] = all(torch.equal(a, b) for a, b in pairs)
         return out
 
-    trainer.model.finish_gradients = finish_and_inject
+    # ParallelModel is frozen: the injection replaces the method of this one instance.
+    object.__setattr__(trainer.model, "finish_gradients", finish_and_inject)
     trainer.train_step = train_step
     try:
         trainer.train()

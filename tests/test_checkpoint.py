@@ -489,7 +489,8 @@ def _flip_byte(path: Path) -> None:
 
 
 BAD = {
-    # case: (steps to copy from the baseline, how to spoil them, extra arguments, words in the error)
+    # case: (steps to copy from the baseline, how to spoil them, extra arguments,
+    #        words in the error)
     "load_step_missing": ((4, 8), None, ["--checkpoint.load_step", "7"], ["load_step", "step-7"]),
     "truncated_shard": (
         (4, 8),

@@ -17,11 +17,14 @@ import torch
 import train_scenarios
 from pool import get_pool
 
-from titanlite.checks import check, check_context
+from titanlite.checks import check
 from titanlite.config import ConfigError, JobConfig, resolve_degrees
+from titanlite.config.planned import PlannedRun
 from titanlite.errors import Problems
 from titanlite.metrics.compare import relative_difference
-from titanlite.parallel.context.attention import chunk_positions, kv_bytes_received
+from titanlite.parallel.context.attention import chunk_positions
+from titanlite.parallel.context.window import kv_bytes_received
+from titanlite.parallel.rules import context as context_rule
 
 
 def config(**parallelism: int) -> JobConfig:
@@ -79,7 +82,8 @@ def test_context_parallel_layout_checks(
     cfg = config(context_parallel_degree=cp, tensor_parallel_degree=tp, pipeline_parallel_degree=pp)
     cfg.training.seq_len = seq
     problems = Problems()
-    check_context(cfg, resolve_degrees(cfg, cp * tp * pp), problems)
+    degrees = resolve_degrees(cfg, cp * tp * pp)
+    problems.lines += context_rule(PlannedRun(cfg, cp * tp * pp, degrees))
     if words is None:
         assert not problems.lines
     else:

@@ -15,7 +15,8 @@ import torch.distributed as dist
 from pool import ScenarioError, get_pool
 from torch import nn
 
-from titanlite.parallel.ddp.engine import BucketedDDP, assign_buckets
+from titanlite.parallel.ddp import BucketedDDP
+from titanlite.parallel.ddp.buckets import assign_buckets
 
 KIB = 1024
 

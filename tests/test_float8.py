@@ -23,8 +23,8 @@ from torchao.float8.float8_linear import Float8Linear
 from titanlite import converters, models
 from titanlite.checks import check
 from titanlite.config import ConfigError, load_config
-from titanlite.config.job_config import Float8
 from titanlite.converters import float8 as f8
+from titanlite.converters.float8_settings import Float8Settings as Float8
 from titanlite.metrics.compare import relative_difference
 
 STEPS = 8

@@ -331,7 +331,7 @@ def test_model_args_applies_only_set_overrides() -> None:
 
 
 def test_model_overrides_from_config_reach_the_model() -> None:
-    from titanlite.checks import build_model_args
+    from titanlite.assembly import build_model_args
 
     cfg = load_config(
         [

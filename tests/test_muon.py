@@ -207,7 +207,9 @@ def test_an_adamw_run_with_a_muon_rule_builds_one_optimizer_for_both(tmp_path: P
     model = nn.Sequential()
     model.add_module("proj", nn.Linear(4, 8))
     model.add_module("head", nn.Linear(8, 2))
-    optimizer, groups = build_optimizer(model, cfg.optimizer, torch.device("cpu"), muon=cfg.muon)
+    optimizer, groups = build_optimizer(
+        model, cfg.optimizer, torch.device("cpu"), sections=cfg.components
+    )
     assert isinstance(optimizer, Muon) and [g.optimizer for g in groups] == ["muon", "adamw"]
     assert (optimizer.momentum, optimizer.lr_adjustment) == (0.9, "original")
     ns = optimizer.orthogonalize.newton_schulz

@@ -66,9 +66,9 @@ def test_qk_clip_equals_a_plain_reference_in_float64(kv_heads: int) -> None:
     """Two blocks, two sequences (one of two documents): the largest logit per head recorded
     during a training forward equals the reference's (1e-10), heads above the threshold get
     the reference's weights (1e-12) and a largest logit of the threshold after the clip
-    (1e-6: RoPE rotates in float32); heads below it and everything else keep their weights bit for bit. Multi-head
-    attention splits the factor sqrt/sqrt over wq and wk; grouped-query attention (2 query
-    heads per key head) puts it all on wq."""
+    (1e-6: RoPE rotates in float32); heads below it and everything else keep their weights
+    bit for bit. Multi-head attention splits the factor sqrt/sqrt over wq and wk;
+    grouped-query attention (2 query heads per key head) puts it all on wq."""
     model = tiny_llama(kv_heads)
     layers = find(model, AttentionLayer)
     tokens = torch.randint(0, 64, (2, SEQ))
@@ -102,7 +102,9 @@ def test_qk_clip_equals_a_plain_reference_in_float64(kv_heads: int) -> None:
             str(threshold),
         ]
     )
-    optimizer, _ = build_optimizer(model, cfg.optimizer, torch.device("cpu"), muon=cfg.muon)
+    optimizer, _ = build_optimizer(
+        model, cfg.optimizer, torch.device("cpu"), sections=cfg.components
+    )
     for group in optimizer.param_groups:  # no update: the clip is the only change
         group["lr"] = 0.0
     weights = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -171,7 +173,9 @@ def test_max_logits_of_chunks_equal_the_masked_square_in_float64() -> None:
 def test_without_a_threshold_attention_records_nothing() -> None:
     model = tiny_llama(2)
     cfg = load_config(["--optimizer.name", "muon"])
-    optimizer, _ = build_optimizer(model, cfg.optimizer, torch.device("cpu"), muon=cfg.muon)
+    optimizer, _ = build_optimizer(
+        model, cfg.optimizer, torch.device("cpu"), sections=cfg.components
+    )
     model(torch.randint(0, 64, (1, SEQ))).sum().backward()
     layers = find(model, AttentionLayer)
     assert not any(layer.core.record_max_logits for layer in layers)
@@ -205,7 +209,9 @@ def test_head_blocks_step_matches_the_reference_with_a_blocks_lr_scale() -> None
     cfg = load_config(
         ["--optimizer.name", "muon", "--muon.block", "head", "--optimizer.lr", "0.02"]
     )
-    optimizer, _ = build_optimizer(model, cfg.optimizer, torch.device("cpu"), muon=cfg.muon)
+    optimizer, _ = build_optimizer(
+        model, cfg.optimizer, torch.device("cpu"), sections=cfg.components
+    )
     optimizer.orthogonalize.newton_schulz = NewtonSchulz(dtype=torch.float64)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     torch.manual_seed(4)

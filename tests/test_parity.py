@@ -1,9 +1,10 @@
 """Numerics parity: every parallel layout trains like one process, for every model family.
 
 Each test trains a tiny model (Llama 3 and Qwen3) for a few steps with titanlite's Trainer on
-the ranks of a reused worker pool (tests/pool.py: real gloo processes) and compares its loss and gradient norm at every step with a 1-process fp32 run on the
-same global batch of 8 sequences. Data parallelism, tensor parallelism, gradient accumulation,
-activation checkpointing and torch.compile change how the work is split or scheduled, never the
+the ranks of a reused worker pool (tests/pool.py: real gloo processes) and compares its loss
+and gradient norm at every step with a 1-process fp32 run on the same global batch of 8
+sequences. Data parallelism, tensor parallelism, gradient accumulation, activation
+checkpointing and torch.compile change how the work is split or scheduled, never the
 mathematics, so they must agree to float32 round-off (RTOL). bf16 mixed precision changes the
 arithmetic itself and gets its own, documented tolerance (BF16_RTOL).
 

@@ -176,8 +176,8 @@ def test_param_group_mistakes_are_one_line_errors(tmp_path: Path) -> None:
         )
     lines = str(e.value).splitlines()
     assert (
-        "optimizer.param_groups[0].optimizer: 'adamx' is not one of adamw, muon (did you mean 'adamw'?)"
-        in lines
+        "optimizer.param_groups[0].optimizer: 'adamx' is not one of adamw, muon "
+        "(did you mean 'adamw'?)" in lines
     )
     assert "optimizer.param_groups[0].lr_scale: must be > 0, got 0.0" in lines
     cfg = load_config(["--optimizer.param_groups", '[{params = "proj.*"}]'])

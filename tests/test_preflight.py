@@ -12,7 +12,8 @@ import pytest
 from test_config import REPO, TRAIN_CONFIGS, write_toml
 
 from titanlite import preflight
-from titanlite.checks import build_model_args, check
+from titanlite.assembly import build_model_args
+from titanlite.checks import check
 from titanlite.config import (
     ConfigError,
     JobConfig,

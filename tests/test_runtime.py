@@ -4,9 +4,10 @@ A step that is not logged must make no device-to-host synchronization and no blo
 collective of titanlite's own beyond the global target-token count: the loss is reduced and
 read only at log steps, the token count stays on the device, and the preemption vote is an
 asynchronous all-reduce read one step later. With the spike guard on (docs/stability.md) each
-step also reduces its loss and reads it and the gradient norm once. tests/train_scenarios.step_work records, during
-each whole step asked for (data, the step, the checks after it), every read of a tensor's value
-into Python and every torch.distributed call with its caller.
+step also reduces its loss and reads it and the gradient norm once.
+tests/train_scenarios.step_work records, during each whole step asked for (data, the step, the
+checks after it), every read of a tensor's value into Python and every torch.distributed call
+with its caller.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ for long signatures, and families, optimizers and converters found through their
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -195,3 +196,95 @@ def test_registries_import_without_torch(registry: str) -> None:
         "sys.exit(1 if 'torch' in sys.modules else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code], cwd=PACKAGE.parent).returncode == 0
+
+
+# --- rooms --------------------------------------------------------------------------------------
+
+ROOT_MODULES = {
+    # entry points and the modules that compose every layer
+    "train": "python -m titanlite.train: parse, build the Trainer, run, map errors to exits",
+    "trainer": "the set-up phases and the loop",
+    "preflight": "python -m titanlite.preflight: the launcher's checks before any process",
+    "dry_run": "the layout's per-rank estimate without training",
+    "checks": "every check of a planned run, the components' rules included",
+    "assembly": "the one function that builds a run's model",
+    "components": "the registries and features composed into the config's catalog",
+    # cross-cutting
+    "errors": "UserError and every exit status",
+    "files": "atomic writes",
+    "paths": "where a configured path points",
+    "dtypes": "dtype names",
+}
+
+
+def test_the_root_holds_only_entry_points_and_cross_cutting_modules() -> None:
+    """Everything else lives in a room (a subpackage) named for what it owns."""
+    root = {p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
+    assert root == set(ROOT_MODULES)
+
+
+def declared_imports(package: Path) -> set[str] | None:
+    """The titanlite modules a room's ``__init__`` docstring says it may import: the names
+    in double backticks after "May import:" (relative to titanlite), or None without one."""
+    doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
+    _, found, rest = doc.partition("May import:")
+    if not found:
+        return None
+    paragraph = rest.split("\n\n")[0]
+    return {
+        f"titanlite.{name}" if name != "titanlite" else name
+        for name in re.findall(r"``([a-z_][a-z_.]*)``", paragraph)
+    }
+
+
+def rooms() -> list[Path]:
+    """titanlite's subpackages that are rooms (not a family's folder or a room's helper
+    package): those whose __init__ says what they may import, and every top-level one."""
+    top = [p.parent for p in PACKAGE.glob("*/__init__.py")]
+    nested = [
+        p.parent for p in PACKAGE.glob("*/*/__init__.py") if declared_imports(p.parent) is not None
+    ]
+    return sorted(top + nested)
+
+
+def test_every_room_says_what_it_owns_and_may_import() -> None:
+    missing = [str(p.relative_to(PACKAGE)) for p in rooms() if declared_imports(p) is None]
+    assert missing == []
+
+
+def test_rooms_import_only_what_their_docstring_allows() -> None:
+    """A room's modules import, of titanlite, their own room and what its docstring lists
+    (a nested room also its parent room's own modules, not the parent's other rooms)."""
+    modules = source_files()
+    graph = import_graph(packages=False)
+    offenders = {}
+    for room in rooms():
+        name = module_name(room / "__init__.py")
+        allowed = {name, *declared_imports(room)}
+        parent = name.rpartition(".")[0]
+        nested = {module_name(r / "__init__.py") for r in rooms() if r.parent == room}
+        for module, imported in graph.items():
+            if module != name and not module.startswith(name + "."):
+                continue
+            if any(module == n or module.startswith(n + ".") for n in nested):
+                continue  # checked as its own room
+            bad = sorted(
+                i
+                for i in imported
+                if i in modules
+                and not any(i == a or i.startswith(a + ".") for a in allowed)
+                and not (parent != "titanlite" and i.rpartition(".")[0] == parent)
+            )
+            if bad:
+                offenders[module] = bad
+    assert offenders == {}
+
+
+def test_the_room_check_finds_a_forbidden_import(tmp_path: Path) -> None:
+    """The check above can fail: a docstring allowing less than the code imports."""
+    room = tmp_path / "room"
+    room.mkdir()
+    (room / "__init__.py").write_text('"""A room.\n\nMay import: ``errors``.\n"""\n')
+    assert declared_imports(room) == {"titanlite.errors"}
+    (room / "__init__.py").write_text('"""A room without the line."""\n')
+    assert declared_imports(room) is None

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from titanlite.checks import build_model_args
+from titanlite.assembly import build_model_args
 from titanlite.config import ConfigError, JobConfig, load_config
 from titanlite.config.parse import apply_toml, tomllib
 from titanlite.config.torchtitan import (
-    MAPPING,
     Conversion,
     convert,
     looks_like_torchtitan,
+    mapping,
     mapping_table_markdown,
 )
 from titanlite.models import REGISTRY
@@ -678,8 +678,8 @@ def test_refusals_list_the_registry_families(
     (note,) = [n for n in converted(text).blocking if n.key == key]
     assert f"families are {families}, mamba" in note.advice
     # the docs table's rule says the same (the registry when the module loaded)
-    assert f"titanlite's families are {families};" in MAPPING["model.name"].note
-    assert "MoE flavors block" not in MAPPING["model.flavor"].note
+    assert f"titanlite's families are {families};" in mapping()["model.name"].note
+    assert "MoE flavors block" not in mapping()["model.flavor"].note
 
 
 def test_expert_parallel_degree_carries_over() -> None:
@@ -699,7 +699,10 @@ def test_context_parallel_degree_carries_over() -> None:
 
 
 def test_pipeline_keys_carry_over_with_torchtitan_defaults() -> None:
-    text = '[parallelism]\npipeline_parallel_degree = 4\npipeline_parallel_schedule = "ZBVZeroBubble"\n'
+    text = (
+        "[parallelism]\npipeline_parallel_degree = 4\n"
+        'pipeline_parallel_schedule = "ZBVZeroBubble"\n'
+    )
     p = converted(text).config["parallelism"]
     assert (p["pipeline_parallel_degree"], p["pipeline_parallel_schedule"]) == (4, "ZBVZeroBubble")
     assert p["pipeline_parallel_first_stage_less_layers"] == 1  # TorchTitan's default
@@ -716,7 +719,8 @@ def test_collective_timeouts_carry_over() -> None:
 def test_unknown_and_unsupported_keys_are_dropped_with_advice() -> None:
     conv = converted(
         '[training]\ndtype = "bfloat16"\nbogus = 1\n[training.dataloader]\nnum_workers = 4\n'
-        '[activation_checkpoint]\nmode = "memory_budget"\n[model]\nflavor = "debugmodel_flex_attn"\n'
+        '[activation_checkpoint]\nmode = "memory_budget"\n'
+        '[model]\nflavor = "debugmodel_flex_attn"\n'
     )
     assert conv.blocking == []
     assert {
@@ -955,7 +959,7 @@ def test_markdown_table_lists_every_key() -> None:
     text = mapping_table_markdown()
     assert text.startswith("## TorchTitan v0.2 configs\n")
     rows = [line for line in text.splitlines() if line.startswith("| `")]
-    assert [row.split("`")[1] for row in rows] == list(MAPPING)
+    assert [row.split("`")[1] for row in rows] == list(mapping())
     assert "| `metrics.save_tb_folder` | `metrics.tensorboard_folder` |" in text
 
 

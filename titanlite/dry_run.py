@@ -24,8 +24,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from titanlite import converters
-from titanlite.checks import build_model_args
+from titanlite.assembly import assemble_model
 from titanlite.config import (
     JobConfig,
     global_batch_size,
@@ -38,12 +37,9 @@ from titanlite.metrics.loggers import local_bytes
 from titanlite.metrics.moe_tracker import MoETracker
 from titanlite.models import moe
 from titanlite.models.interfaces import AttentionCore, find
-from titanlite.models.layers import count_params
-from titanlite.parallel.context.attention import kv_rows_kept
+from titanlite.parallel.context.window import kv_rows_kept
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.materialize import materialize
-from titanlite.parallel.parallelize import parallelize
-from titanlite.training.loss import TrainingLoss
 
 # fp32 master weights, fp32 gradients, and AdamW's two fp32 moments.
 BYTES_PER_PARAM = {"params": 4, "grads": 4, "optimizer": 8}
@@ -53,36 +49,24 @@ GIB = 2**30
 def dry_run(cfg: JobConfig, world_size: int, tokenizer_vocab: int) -> str:
     """The report (several lines) for this config at this world size."""
     degrees = resolve_degrees(cfg, world_size)
-    spec, args = build_model_args(cfg, tokenizer_vocab)
     init_rank = cfg.job.dry_run_init_rank
     rank = max(init_rank, 0)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         dims = ParallelDims(degrees, "cpu")
-        with torch.device("meta"):
-            model = spec.build(args)
-        total = count_params(model)
-        # Under CP, what each block's attention keeps of the sequence's keys and values.
+        # Under pipeline parallelism a rank holds only its stages: those are what it sizes.
+        assembled = assemble_model(cfg, tokenizer_vocab=tokenizer_vocab, dims=dims, device=None)
+        spec, args, parts = assembled.spec, assembled.args, assembled.model.parts
+        total = assembled.num_params
+        # Under CP, what each block's attention keeps of the sequence's keys and values (CP
+        # never runs with PP, so the parts then hold every block).
         kv_windows = [
             core.mask.window
-            for block in getattr(model, spec.blocks).values()
+            for part in parts
+            for block in getattr(part, spec.blocks).values()
             for core in find(block, AttentionCore)
             if not core.recurrent  # linear attention passes a state, no keys
         ]
-        # Under pipeline parallelism a rank holds only its stages: those are what it sizes.
-        parts = parallelize(
-            model,
-            spec,
-            args,
-            dims,
-            parallelism=cfg.parallelism,
-            training=cfg.training,
-            activation_checkpoint=cfg.activation_checkpoint,
-            compile=cfg.compile,
-            device=None,
-            loss_sum=TrainingLoss.of(cfg.training.z_loss_weight, args),
-            converters=converters.build(cfg.model.converters, cfg),
-        ).parts
         plan = pipeline_plan(cfg.parallelism, degrees, args.n_layers, cfg.training.local_batch_size)
         pipeline_lines = (
             _pipeline_lines(cfg, spec, args, plan, dims=dims, kv_windows=kv_windows)
@@ -296,7 +280,8 @@ def _activation_lines(
     share = f"{t.seq_len // d.cp:,} tokens of each sequence" if d.cp > 1 else "whole sequences"
     return [
         f"  activations     ~{total / GIB:.2f} GiB per micro-batch ({t.local_batch_size} "
-        f"sequence{'s' if t.local_batch_size > 1 else ''}, {share}: {args.n_layers} blocks x {per_block / GIB:.3f} GiB + the "
+        f"sequence{'s' if t.local_batch_size > 1 else ''}, {share}: {args.n_layers} blocks x "
+        f"{per_block / GIB:.3f} GiB + the "
         f"logits; estimate: flash-style attention{note})"
     ]
 

@@ -3,10 +3,11 @@
     python -m titanlite.train --job.config_file CONFIG.toml [--section.key value ...]
 
 Normally started by ./run_train.sh through torchrun; a plain single process works too.
-Exit statuses are those of titanlite.errors: 0 done, 2 bad input (a line per problem on stderr),
-3 the loss became non-finite, 4 a rank was lost (a collective failed or timed out), 75 stopped by SIGTERM/SIGUSR1 after saving a checkpoint (run
-the same command to resume), 130 stopped by Ctrl-C (the first saves the step it stopped at,
-a second stops at once; the same command resumes).
+Exit statuses are those of titanlite.errors: 0 done, 2 bad input (a line per problem on
+stderr), 3 the loss became non-finite, 4 a rank was lost (a collective failed or timed out),
+75 stopped by SIGTERM/SIGUSR1 after saving a checkpoint (run the same command to resume),
+130 stopped by Ctrl-C (the first saves the step it stopped at, a second stops at once; the
+same command resumes).
 
 Only torch-free modules are imported before the signal handlers are in place: importing torch
 takes seconds, and a Ctrl-C meanwhile must be the same orderly stop as later.

@@ -1,9 +1,9 @@
 """The Trainer: the numbered set-up phases, then the loop. Reads top to bottom like a run.
 
 This and ``train.py`` are the only modules that know every layer: config, data (one
-builder), models (only through their spec), parallelisms (only through ``parallelize``),
-optimizers (through their registry), checkpoints (only through the Stateful registry),
-validation and metrics. What a component does lives in its own module.
+builder), models and parallelisms (only through ``titanlite.assembly.assemble_model``, and
+the spec it returns), optimizers (through their registry), checkpoints (only through the
+Stateful registry), validation and metrics. What a component does lives in its own module.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from titanlite import converters
+from titanlite.assembly import assemble_model
 from titanlite.checkpoint.checkpointer import Checkpointer, ModelIdentity, will_load_weights
 from titanlite.checkpoint.states import TrainState, build_states
-from titanlite.checks import build_model_args, check
+from titanlite.checks import check
 from titanlite.config import JobConfig, to_toml
 from titanlite.config.batch_ramp import BatchRamp
 from titanlite.config.layout import global_batch_size, gradient_accumulation_steps, resolve_degrees
@@ -32,15 +32,13 @@ from titanlite.metrics import run_info
 from titanlite.metrics.loggers import format_duration, model_state_bytes
 from titanlite.metrics.moe_tracker import MoETracker
 from titanlite.metrics.profiling import profiling
-from titanlite.models.layers import count_params
 from titanlite.optim import build_optimizers, clip_grad_norm_, step_metrics
 from titanlite.parallel.dims import ParallelDims
-from titanlite.parallel.parallelize import parallelize
 from titanlite.parallel.pipeline import tied_copy
 from titanlite.runtime import distributed, heartbeat, run_lock
 from titanlite.runtime.stop_vote import StopVote
 from titanlite.training.ema import WeightAverage
-from titanlite.training.loss import StepLoss, TrainingLoss
+from titanlite.training.loss import StepLoss
 from titanlite.training.stability import SpikeGuard, finite_or_guarded
 from titanlite.training.validate import Validator
 
@@ -62,7 +60,7 @@ class Trainer:
         self.dist = distributed.init(t.seed, cfg.comm.init_timeout_seconds)
         # One run per dump folder (titanlite.runtime.run_lock), before anything is written there.
         run_lock.take_for_run(cfg.job.dump_folder, self.dist, cfg.comm.init_timeout_seconds)
-        # Who is alive, for naming a lost rank when a collective fails (titanlite.runtime.heartbeat).
+        # Who is alive, for naming a lost rank when a collective fails (runtime.heartbeat).
         self.heartbeat = heartbeat.Heartbeat(
             self.dist.rank, self.dist.world_size, cfg.comm.init_timeout_seconds
         )
@@ -90,33 +88,23 @@ class Trainer:
 
         # 3. Model: meta device -> converters and parallelisms -> allocate and initialize the
         # local shards (not at all when a checkpoint is about to overwrite them).
-        self.spec, self.model_args = build_model_args(cfg, self.tokenizer.vocab_size)
-        with torch.device("meta"):
-            model = self.spec.build(self.model_args)
-        self.num_params = num_params = count_params(model)
-        active = self.spec.active_params
-        self.active_params = active(self.model_args, num_params) if active else num_params
         checkpoint_folder = Path(cfg.job.dump_folder) / c.folder
         documents = None
         if t.document_mask:
             bos, eos = self.tokenizer.bos_id, self.tokenizer.eos_id
             documents = DocumentMask(bos, eos, t.document_positions)
-        self.loss = TrainingLoss.of(t.z_loss_weight, self.model_args)  # (+ z, MTP): loss.py
-        self.model = parallelize(
-            model,
-            self.spec,
-            self.model_args,
-            self.dims,
-            parallelism=cfg.parallelism,
-            training=t,
-            activation_checkpoint=cfg.activation_checkpoint,
-            compile=cfg.compile,
+        assembled = assemble_model(
+            cfg,
+            tokenizer_vocab=self.tokenizer.vocab_size,
+            dims=self.dims,
             device=self.device,
-            loss_sum=self.loss,
-            converters=(model_converters := converters.build(cfg.model.converters, cfg)),
-            init_weights=not will_load_weights(c, checkpoint_folder),
             documents=documents,
+            init_weights=not will_load_weights(c, checkpoint_folder),
         )
+        self.spec, self.model_args, self.model = assembled.spec, assembled.args, assembled.model
+        self.num_params = num_params = assembled.num_params
+        self.active_params = assembled.active_params
+        self.loss = self.model.loss_sum  # cross-entropy (+ z-loss, MTP): training/loss.py
         self.params = [p for part in self.model.parts for p in part.parameters() if p.requires_grad]
         # Under pipeline parallelism each rank holds some stages: norms add up over pp.
         self.stage_group = self.dims.group("pp") if degrees.pp > 1 else None
@@ -140,12 +128,13 @@ class Trainer:
             cfg.lr_scheduler,
             total_steps=t.steps,
             device=self.device,
-            muon=cfg.muon,
+            sections=cfg.components,
+            roles=self.spec.param_roles,
             dims=self.dims,
             n_layers=self.model_args.n_layers,
             replica_group=self.dims.replica_group() if replicated else None,
         )
-        for converter in model_converters:  # e.g. float8's FSDP scales after each step
+        for converter in assembled.converters:  # e.g. float8's FSDP scales after each step
             converter.attach(self.model.parts, self.optimizers)
         self.state = TrainState()
         self.startup.mark("optimizer")
@@ -298,7 +287,8 @@ class Trainer:
         self, batches: list[tuple[torch.Tensor, torch.Tensor]], log: bool = True
     ) -> tuple[StepLoss, torch.Tensor, dict[str, float] | None]:
         """One optimizer step over the micro-batches (no update if the spike guard skips it):
-        loss terms (reduced when read), grad norm (unread) and, at ``log`` steps, MoE/QK-clip metrics."""
+        loss terms (reduced when read), grad norm (unread) and, at ``log`` steps, MoE/QK-clip
+        metrics."""
         # Every rank needs the global count of target tokens before backward: the loss is a
         # sum divided by it, so accumulation, parallelism and padding never change it. It
         # stays a device tensor (no host synchronization; NCCL reduces it asynchronously).

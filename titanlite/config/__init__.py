@@ -1,4 +1,12 @@
-"""Job configuration: schema (job_config), parsing (parse), layout arithmetic (layout)."""
+"""Job configuration: titanlite's own sections (``job_config``, ``model_section``), the TOML and
+command-line parser (``parse``), the checks that need no world size (``constraints``), layout
+arithmetic (``layout``, ``batch_ramp``), --help and config.toml (``render``), TorchTitan's
+files (``torchtitan``), and what the components hand in (``catalog``: their sections, names,
+checks; ``planned``: the run the cross-feature rules check).
+
+May import: ``errors`` and nothing of the components: they import this package, and
+``titanlite.components`` hands their part in through the catalog.
+"""
 
 from titanlite.config.job_config import ConfigError, JobConfig
 from titanlite.config.layout import (

@@ -7,7 +7,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 
-from titanlite.checkpoint.keys import STATE_KEYS
+from titanlite.config import catalog
 from titanlite.config.batch_ramp import parse_schedule
 from titanlite.config.job_config import ConfigError, JobConfig
 from titanlite.config.schema import dataset_name
@@ -78,17 +78,6 @@ def validate(cfg: JobConfig) -> None:
     require(o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0")
     require(0 <= o.beta1 < 1, "optimizer.beta1", "must be in [0, 1)")
     require(0 <= o.beta2 < 1, "optimizer.beta2", "must be in [0, 1)")
-    mu = cfg.muon
-    require(0 <= mu.momentum < 1, "muon.momentum", "must be in [0, 1)")
-    require(mu.ns_steps >= 1, "muon.ns_steps", "must be at least 1")
-    require(mu.eps > 0, "muon.eps", "must be > 0")
-    clip = mu.qk_clip_threshold
-    require(clip is None or clip > 0, "muon.qk_clip_threshold", "must be > 0 (unset: off)")
-    if clip is not None and o.name.lower() != "muon":
-        problems.add(
-            f"muon.qk_clip_threshold: QK-clip runs in Muon's step; set optimizer.name = "
-            f'"Muon" (got {o.name!r}) or leave the threshold unset'
-        )
     require(s.warmup_steps >= 0, "lr_scheduler.warmup_steps", "must be >= 0")
     require(
         s.decay_ratio is None or 0 <= s.decay_ratio <= 1,
@@ -132,10 +121,11 @@ def validate(cfg: JobConfig) -> None:
     require(c.interval_minutes >= 0, "checkpoint.interval_minutes", "must be >= 0 (0 = off)")
     require(c.keep_latest_k >= 0, "checkpoint.keep_latest_k", "must be >= 0 (0 keeps all)")
     require(c.load_step == -1 or c.load_step >= 0, "checkpoint.load_step", "must be -1 or >= 0")
+    state_keys = catalog.current().state_keys
     require(
-        set(c.exclude_from_loading) <= set(STATE_KEYS),
+        set(c.exclude_from_loading) <= set(state_keys),
         "checkpoint.exclude_from_loading",
-        f"must name only {', '.join(STATE_KEYS)}",
+        f"must name only {', '.join(state_keys)}",
     )
     ac = cfg.activation_checkpoint
     option = ac.selective_ac_option
@@ -152,6 +142,9 @@ def validate(cfg: JobConfig) -> None:
         "job.dry_run_init_rank",
         "needs --job.dry_run (it initializes one rank's shards instead of training)",
     )
+    for section in catalog.current().sections:  # each component checks its own settings
+        if section.check is not None:
+            section.check(cfg, problems)
     if m.enable_tensorboard and importlib.util.find_spec("tensorboard") is None:
         problems.add(
             "metrics.enable_tensorboard needs the tensorboard package, which is not installed: "
@@ -170,10 +163,9 @@ def _did_you_mean(key: str, value: str, known: list[str]) -> str:
 
 def check_registered(cfg: JobConfig, problems: Problems) -> None:
     """Names the registries must know: the model family, the optimizers, the converters."""
-    from titanlite import converters, models, optim
-
-    if cfg.model.name not in models.REGISTRY:
-        problems.add(_did_you_mean("model.name", cfg.model.name, list(models.REGISTRY)))
+    known = catalog.current()
+    if cfg.model.name not in known.families:
+        problems.add(_did_you_mean("model.name", cfg.model.name, list(known.families)))
     names = [("optimizer.name", cfg.optimizer.name)]
     for i, rule in enumerate(cfg.optimizer.param_groups):
         where = f"optimizer.param_groups[{i}]"
@@ -186,8 +178,8 @@ def check_registered(cfg: JobConfig, problems: Problems) -> None:
         if not rule.params.strip(" ,"):
             problems.add(f"{where}.params: must name at least one pattern")
     for key, name in names:
-        if name.lower() not in optim.REGISTRY:
-            problems.add(_did_you_mean(key, name, list(optim.REGISTRY)))
+        if name.lower() not in known.optimizers:
+            problems.add(_did_you_mean(key, name, list(known.optimizers)))
     for i, name in enumerate(cfg.model.converters):
-        if name not in converters.REGISTRY:
-            problems.add(_did_you_mean(f"model.converters[{i}]", name, list(converters.REGISTRY)))
+        if name not in known.converters:
+            problems.add(_did_you_mean(f"model.converters[{i}]", name, list(known.converters)))

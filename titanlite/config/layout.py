@@ -3,7 +3,9 @@
 Kept free of torch so the launcher can reject an impossible layout before any process
 starts. The mesh has five named dimensions, outermost first: pp (pipeline stages),
 dp_replicate (replicas), dp_shard (FSDP shards), cp (context parallel) and tp (tensor
-parallel); ep (expert parallel) borrows its ranks from dp_shard (the inner ep of them; placed inside cp when cp > 1, see ``titanlite.parallel.dims``). ``pipeline_plan`` splits the blocks into pipeline stages.
+parallel); ep (expert parallel) borrows its ranks from dp_shard (the inner ep of them;
+placed inside cp when cp > 1, see ``titanlite.parallel.dims``). ``pipeline_plan`` splits the
+blocks into pipeline stages.
 """
 
 from __future__ import annotations

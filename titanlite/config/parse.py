@@ -20,7 +20,7 @@ import sys
 import typing
 from typing import Any, Literal
 
-from titanlite.config import torchtitan
+from titanlite.config import catalog, torchtitan
 from titanlite.config.constraints import validate
 from titanlite.config.job_config import ConfigError, DatasetEntry, JobConfig
 from titanlite.config.render import help_text, to_toml, toml_value
@@ -286,18 +286,9 @@ def load_config(argv: list[str]) -> JobConfig:
     return cfg
 
 
-# Sizes users name under one family that titanlite builds as another: Qwen3.5's MoE sizes are
-# the qwen3_5_moe family (its own spec and Hugging Face class, as in transformers).
-FLAVOR_FAMILIES: dict[tuple[str, str], tuple[str, str]] = {
-    ("qwen3_5", "debugmodel_moe"): ("qwen3_5_moe", "debugmodel"),
-    ("qwen3_5", "35B-A3B"): ("qwen3_5_moe", "35B-A3B"),
-    ("qwen3_5", "397B-A17B"): ("qwen3_5_moe", "397B-A17B"),
-}
-
-
 def _flavor_family(cfg: JobConfig) -> None:
     """Point a (family, flavor) that another family builds at that family (logged)."""
-    moved = FLAVOR_FAMILIES.get((cfg.model.name, cfg.model.flavor))
+    moved = catalog.current().flavor_aliases.get((cfg.model.name, cfg.model.flavor))
     if moved:
         logger.info(
             "model %s %s is the %s family's %s flavor", cfg.model.name, cfg.model.flavor, *moved

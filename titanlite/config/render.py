@@ -8,6 +8,7 @@ import dataclasses
 import json
 from typing import Any
 
+from titanlite.config import catalog
 from titanlite.config.job_config import JobConfig
 from titanlite.config.schema import field_docs, field_types, keys, sections, type_name
 
@@ -72,15 +73,14 @@ def registry_choices(key: str) -> list[str]:
     """What the registries offer for ``key`` (model families and flavors, optimizers,
     converters): --help and the config reference list them from the code, so adding an entry
     documents it."""
-    from titanlite import converters, models, optim
-
+    known = catalog.current()
     if key == "model.name":
-        return [f"one of: {', '.join(models.REGISTRY)}"]
+        return [f"one of: {', '.join(known.families)}"]
     if key == "model.flavor":
-        return [f"{name}: {', '.join(spec.flavors)}" for name, spec in models.REGISTRY.items()]
+        return [f"{name}: {', '.join(spec.flavors)}" for name, spec in known.families.items()]
     if key == "optimizer.name":
-        return [f"one of: {', '.join(optim.REGISTRY)}"]
+        return [f"one of: {', '.join(known.optimizers)}"]
     if key == "model.converters":
-        known = [f"{name} ({entry.replaces})" for name, entry in converters.REGISTRY.items()]
-        return [f"available: {', '.join(known) or 'none yet'}"]
+        listed = [f"{name} ({entry.replaces})" for name, entry in known.converters.items()]
+        return [f"available: {', '.join(listed) or 'none yet'}"]
     return []

@@ -13,14 +13,36 @@ import types
 import typing
 from typing import Any, Literal
 
-from titanlite.config import docstrings
-from titanlite.config.job_config import DatasetEntry, JobConfig, Model, family_fields
+from titanlite.config import catalog, docstrings
+from titanlite.config.job_config import DatasetEntry, JobConfig
+from titanlite.config.model_section import Model, family_fields
 
 
 def sections() -> dict[str, type]:
-    """Section name -> dataclass, in declaration order."""
+    """Section name -> dataclass, in the order --help and config.toml list them: titanlite's
+    own in declaration order, each followed by the components' sections that name it as
+    ``after`` (then those following them); a component naming no known section comes last."""
     hints = typing.get_type_hints(JobConfig)
-    return {f.name: hints[f.name] for f in dataclasses.fields(JobConfig)}
+    own = {
+        f.name: hints[f.name]
+        for f in dataclasses.fields(JobConfig)
+        if f.metadata.get("section", True)  # not ``components``: their holder
+    }
+    components = catalog.current().sections
+    ordered: dict[str, type] = {}
+
+    def emit(name: str, cls: type) -> None:
+        ordered[name] = cls
+        for s in components:
+            if s.after == name and s.name not in ordered:
+                emit(s.name, s.settings)
+
+    for name, cls in own.items():
+        emit(name, cls)
+    for s in components:
+        if s.name not in ordered:
+            emit(s.name, s.settings)
+    return ordered
 
 
 def field_docs(cls: type) -> dict[str, str]:

@@ -14,19 +14,24 @@ replaced; it logs what it did) and may provide ``after_optimizer_step(parts, set
 the entry's config section (``section``), e.g. [float8].
 
 Adding a converter: that module, and one entry below with what it replaces and the layouts
-it cannot take (``refuses``: a function of the resolved degrees and the config returning one
-line per problem, checked before launch).
+it cannot take (``refuses``: a function of the planned run returning one line per problem,
+checked before launch).
+
+May import: ``config``, ``errors``; its torch sides also ``models.spec`` and
+``models.interfaces``.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
+
+from titanlite.config.catalog import Section
+from titanlite.config.planned import Rule
+from titanlite.converters import float8_settings
 
 logger = logging.getLogger(__name__)
 
@@ -39,43 +44,22 @@ class ConverterEntry:
     """Provides ``convert(model, spec, settings) -> int``."""
     replaces: str
     """Which modules it replaces, in words (logs, docs, --help)."""
-    refuses: Callable[[Any, Any], list[str]] = field(default=lambda degrees, cfg: [])
-    """(titanlite.config.layout.Degrees, JobConfig) -> one line per layout or setting it
-    cannot take."""
-    section: str = ""
-    """The JobConfig section holding its settings ("" = none); passed to its functions."""
+    refuses: Rule | None = None
+    """What it cannot take of the planned run (the layout's degrees, other settings): one
+    line each, checked before launch (``titanlite.config.planned``)."""
+    section: Section | None = None
+    """Its own settings ([float8]), if any: passed to its functions as ``settings``."""
 
     def implementation(self) -> ModuleType:
         return importlib.import_module(self.module)
-
-
-def _float8_refuses(degrees: Any, cfg: Any) -> list[str]:
-    """What the float8 converter cannot take (torch-free: torchao is only looked for)."""
-    f = cfg.float8
-    lines = []
-    if importlib.util.find_spec("torchao") is None:
-        lines.append("needs torchao, which is not installed: pip install 'titanlite[float8]'")
-    if f.enable_fsdp_float8_all_gather and f.recipe != "tensorwise":
-        lines.append(
-            f'float8.enable_fsdp_float8_all_gather needs float8.recipe = "tensorwise" (the '
-            f"{f.recipe} recipe scales each row, which a weight's shard does not hold)"
-        )
-    if f.precompute_float8_dynamic_scale_for_fsdp and not f.enable_fsdp_float8_all_gather:
-        lines.append(
-            "float8.precompute_float8_dynamic_scale_for_fsdp needs "
-            "float8.enable_fsdp_float8_all_gather = true"
-        )
-    if f.experts and f.recipe != "rowwise":
-        lines.append("float8.experts: the grouped matmuls have the rowwise recipe only")
-    return lines
 
 
 REGISTRY: dict[str, ConverterEntry] = {
     "float8": ConverterEntry(
         module="titanlite.converters.float8",
         replaces="nn.Linear -> torchao Float8Linear, but the output projection and routers",
-        refuses=_float8_refuses,
-        section="float8",
+        refuses=float8_settings.refuses,
+        section=float8_settings.SECTION,
     ),
 }
 """Name -> entry."""
@@ -115,6 +99,6 @@ def build(names: list[str], cfg: Any = None) -> list[Converter]:
     """The converters ``model.converters`` names, in order, each with its config section."""
     entries = [(name, get(name)) for name in names]
     return [
-        Converter(name, e, getattr(cfg, e.section) if cfg is not None and e.section else None)
+        Converter(name, e, getattr(cfg, e.section.name) if cfg is not None and e.section else None)
         for name, e in entries
     ]

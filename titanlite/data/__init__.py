@@ -3,6 +3,8 @@ over them (one interface, ``Loader``; one builder, ``titanlite.data.build``).
 
 The loaders (which need torch) are imported on first use, so that the launcher's preflight
 can check a tokenizer through this package without paying for `import torch`.
+
+May import: ``config``, ``errors``, ``files``, ``paths``.
 """
 
 from typing import Any

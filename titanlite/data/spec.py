@@ -37,7 +37,8 @@ class DataSpec:
     split_by_rank: bool = _T.split_by_rank
     """Train split of a text source: each data-parallel rank reads only its own shards."""
     infinite: bool = True
-    """Train split loops over epochs forever; False makes one pass. Validation is always one pass."""
+    """Train split loops over epochs forever; False makes one pass. Validation is always
+    one pass."""
 
     def __post_init__(self) -> None:
         if self.seq_len < 1:

@@ -122,7 +122,8 @@ class TokenLoader(WindowCountState):
         if self.folder.meta["tokenizer"] != tokenizer.fingerprint:
             raise UserError(
                 f"{spec.dataset_path} was tokenized with another tokenizer "
-                f"({self.folder.meta['tokenizer_path']}, fingerprint {self.folder.meta['tokenizer']}) "
+                f"({self.folder.meta['tokenizer_path']}, "
+                f"fingerprint {self.folder.meta['tokenizer']}) "
                 f"than {str(tokenizer.path)!r}; use that tokenizer or pretokenize again"
             )
         fraction = self.folder.meta.get("validation_fraction")

@@ -18,10 +18,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from titanlite.config.job_config import Eval, JobConfig
+from titanlite.config.job_config import JobConfig
 from titanlite.data.batches import IGNORE_INDEX
 from titanlite.data.tokenizer import Tokenizer
 from titanlite.downstream import builtin
+from titanlite.downstream.settings import EvalSettings
 from titanlite.downstream.tasks import Task, encode_pair, read_task
 from titanlite.errors import UserError
 from titanlite.metrics.loggers import MetricsLogger
@@ -40,7 +41,7 @@ class Row:
     choice_tokens: int
 
 
-def load_tasks(config: Eval, holdout_fraction: float) -> list[Task]:
+def load_tasks(config: EvalSettings, holdout_fraction: float) -> list[Task]:
     """The tasks ``config.tasks`` names (built-in names or JSONL files), ``limit`` each."""
     tasks = []
     for name in config.tasks:
@@ -58,7 +59,7 @@ class Evaluator:
 
     def __init__(
         self,
-        config: Eval,
+        config: EvalSettings,
         tasks: list[Task],
         *,
         tokenizer: Tokenizer,
@@ -106,7 +107,8 @@ class Evaluator:
                 context, ids = encode_pair(tokenizer, question.context, choice)
                 if not ids:
                     raise UserError(
-                        f"eval.tasks: {task.name}, question {q + 1}: the choice {choice!r} encodes to no tokens"
+                        f"eval.tasks: {task.name}, question {q + 1}: "
+                        f"the choice {choice!r} encodes to no tokens"
                     )
                 room = self.seq_len + 1 - len(ids)  # a row of n tokens is n - 1 inputs
                 if room < 2:

@@ -81,7 +81,8 @@ def select_tasks(items: list[str], include_paths: list[Path]) -> TaskSelection:
             names = folder_tasks(path)
             if not names:
                 raise UserError(
-                    f"--tasks: folder {item!r} defines no task (no YAML file in it has a task: name)"
+                    f"--tasks: folder {item!r} defines no task "
+                    "(no YAML file in it has a task: name)"
                 )
             selection.include_paths.append(path.resolve())
         elif path.suffix in YAML_SUFFIXES or path.is_file():

@@ -109,7 +109,8 @@ def _question(line: str, where: str) -> Question:
     missing = [k for k in ("choices", "label") if k not in row]
     if missing:
         raise UserError(
-            f"{where}: missing {', '.join(missing)} (a question needs context, choices and label; a completion context and target)"
+            f"{where}: missing {', '.join(missing)} "
+            "(a question needs context, choices and label; a completion context and target)"
         )
     context, choices, label = row["context"], row["choices"], row["label"]
     if (

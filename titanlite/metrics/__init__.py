@@ -3,6 +3,7 @@
 (``run_info``), profiling traces (``profiling``), mixture-of-experts routing statistics
 (``moe_tracker``), and how two runs' numbers are compared (``compare``).
 
-May import: the root's cross-cutting modules, config, models (specs and interfaces), optim
-(resolved groups, for run.json), torch. Never parallel/ or the trainer.
+May import: ``config``, ``models``, ``optim`` (resolved groups, for run.json), ``files``,
+``errors`` and ``titanlite`` itself (when the process began importing it). Never parallel/,
+training/ or the trainer.
 """

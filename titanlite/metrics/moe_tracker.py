@@ -22,8 +22,8 @@ class MoETracker:
 
     Counts are summed over the step's micro-batches on the device; after the step they are
     all-reduced over ``group`` (the ranks that route different tokens: the batch's split and,
-    under context and tensor parallelism, the sequence's) only when they are needed: every step with the
-    bias update on, otherwise at log steps.
+    under context and tensor parallelism, the sequence's) only when they are needed: every
+    step with the bias update on, otherwise at log steps.
     """
 
     def __init__(

@@ -18,6 +18,7 @@ import torch
 from titanlite import IMPORT_STARTED
 from titanlite.config.job_config import JobConfig
 from titanlite.config.layout import MESH_DIMS, Degrees
+from titanlite.config.schema import sections
 from titanlite.metrics.loggers import (
     MetricsLogger,
     cuda_memory_stats,
@@ -158,7 +159,7 @@ def metrics_logger(cfg: JobConfig, dump_folder: Path, is_main: bool) -> MetricsL
         wandb = {
             "project": m.wandb_project,
             "name": m.wandb_run_name or cfg.job.description,
-            "config": {s: asdict(getattr(cfg, s)) for s in asdict(cfg)},
+            "config": {s: asdict(getattr(cfg, s)) for s in sections()},
         }
     tensorboard = dump_folder / m.tensorboard_folder if m.enable_tensorboard else None
     return MetricsLogger(dump_folder, is_main, wandb, tensorboard)

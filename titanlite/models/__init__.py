@@ -2,8 +2,12 @@
 one. Plain Python: importing this package does not import torch.
 
 Adding a family: a folder here with its args and flavors, a spec in its ``__init__``, its
-modules (``build``, ``init_buffers``) and its Hugging Face adapter; then one line below and
-the name in ``titanlite.config.job_config.Model.name`` (docs/models.md walks through Qwen3).
+modules (``build``, ``init_buffers``) and its Hugging Face adapter; then one line below (the
+config, --help and the checks find it there through ``titanlite.components``; docs/models.md
+walks through Qwen3). ``torchtitan`` says which TorchTitan models the families reproduce.
+
+May import: ``errors``. Never torch.distributed, parallel/ or the config: a family is
+plain modules and a spec, parallelized from outside through that spec.
 """
 
 from __future__ import annotations

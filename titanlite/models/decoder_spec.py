@@ -23,13 +23,19 @@ class AttentionVariants:
     (``titanlite.models.attention.for_layer``) reads them per layer."""
 
     sliding_window: int = 0
-    """Sliding-window attention: a query of a local layer sees at most this many keys, ending at its own (0 = full attention everywhere)."""
+    """Sliding-window attention: a query of a local layer sees at most this many keys, ending at its
+    own (0 = full attention everywhere)."""
     window_pattern: str = "L"
-    """Which layers are local (L, sliding window) and which global (G, full attention): the string repeated over the layers from layer 0. "LG" alternates starting local (gpt-oss), "LLLG" is 3 local : 1 global; "L" = every layer local."""
+    """Which layers are local (L, sliding window) and which global (G, full attention): the string
+    repeated over the layers from layer 0. "LG" alternates starting local (gpt-oss), "LLLG" is 3
+    local : 1 global; "L" = every layer local."""
     attention_sinks: bool = False
-    """A learned logit per query head joins every softmax row and attends to nothing (gpt-oss's sinks)."""
+    """A learned logit per query head joins every softmax row and attends to nothing
+    (gpt-oss's sinks)."""
     attention_kernel: Literal["auto", "explicit", "flex"] = "auto"
-    """The kernel of the layers with a sliding window or sinks: "auto" runs FlexAttention (compiled) on CUDA and titanlite's blocked explicit kernel elsewhere; "explicit" or "flex" forces one (flex off CUDA is its dense reference: tests only)."""
+    """The kernel of the layers with a sliding window or sinks: "auto" runs FlexAttention (compiled)
+    on CUDA and titanlite's blocked explicit kernel elsewhere; "explicit" or "flex" forces one (flex
+    off CUDA is its dense reference: tests only)."""
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of block ``layer`` (None: full causal attention)."""

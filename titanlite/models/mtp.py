@@ -8,9 +8,9 @@ model's later blocks) and the depth's own final norm before the shared output he
 at position i predict token i + d + 1. The embedding and the output head are the model's.
 
 Training only: the decoder appends each depth's logits to the main ones along the sequence
-(``titanlite.training.loss.TrainingLoss`` splits them, ``titanlite.training.loss.mtp_labels`` builds the
-targets); evaluation and generation never run the depths. Published checkpoints keep depth d
-as block ``n_layers + d - 1`` (``models/deepseek_v3/hf.py``).
+(``titanlite.training.loss.TrainingLoss`` splits them, ``titanlite.training.loss.mtp_labels``
+builds the targets); evaluation and generation never run the depths. Published checkpoints keep
+depth d as block ``n_layers + d - 1`` (``models/deepseek_v3/hf.py``).
 """
 
 from __future__ import annotations

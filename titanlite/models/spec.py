@@ -88,6 +88,16 @@ class TensorParallelPlan:
     extra: Mapping[str, Mapping[str, TPStyle]] = field(default_factory=dict)
 
 
+PARAM_ROLES: Mapping[str, tuple[str, ...]] = {
+    "embeddings": ("tok_embeddings.*",),
+    "outputs": ("output.*",),
+    "routers": ("*.router.*",),
+}
+"""The parameters optimizers treat apart from the hidden matrices, by role (a family whose
+modules are named otherwise gives its own patterns): the input embeddings, the projection(s)
+to the vocabulary, and the routers of mixture-of-experts layers."""
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """One model family.
@@ -127,6 +137,12 @@ class ModelSpec:
     """(args, total parameters) -> parameters one token uses (mixtures of experts)."""
     experts: bool = False
     """Blocks hold mixture-of-experts layers (the layout checks read it: ep needs experts)."""
+    also_named: Mapping[tuple[str, str], str] = field(default_factory=dict)
+    """(model.name, model.flavor) as users also write them -> this family's flavor (a size
+    published under a sibling family's name that this family builds)."""
+    param_roles: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: dict(PARAM_ROLES))
+    """Role -> parameter-name patterns of the parameters that play it (``PARAM_ROLES``
+    lists the roles); parameter-group rules name them as ``@role``."""
 
     # ------------------------------------------------------------------ args
     def make_args(
@@ -153,7 +169,8 @@ class ModelSpec:
         return args
 
     def args_from_dict(self, values: Mapping[str, Any]) -> Any:
-        """Args saved with ``dataclasses.asdict`` (checkpoints); ValueError/TypeError if unusable."""
+        """Args saved with ``dataclasses.asdict`` (checkpoints); ValueError/TypeError if
+        unusable."""
         args = self.args_cls(**values)
         args.check()
         return args

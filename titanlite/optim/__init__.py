@@ -3,7 +3,9 @@
 ``optimizer.name`` picks a registry entry (case-insensitive). Which parameters an optimizer
 takes, with which learning-rate scale and weight decay, comes from ordered rules
 (``optimizer.param_groups``, or the entry's ``default_rules``): a parameter goes to the first
-rule its name and shape match. The resolved groups are logged and written to run.json.
+rule its name and shape match. A ``@role`` in a rule's patterns stands for the family's own
+names of the parameters playing that role (``ModelSpec.param_roles``: embeddings, outputs,
+routers). The resolved groups are logged and written to run.json.
 
 This module is plain Python (config validation and the launcher's preflight read the
 registry without importing torch); the builders live in the modules the entries name.
@@ -11,9 +13,15 @@ registry without importing torch); the builders live in the modules the entries 
 Adding an optimizer: a module with ``build(groups, settings, context) ->
 torch.optim.Optimizer`` (``groups`` are torch param-group dicts with "params", "lr",
 "weight_decay" and "optimizer", the registry name of the group's rule; ``settings`` the
-[optimizer] section; ``context`` a BuildContext) and one entry below. A part's groups may name
-several optimizers only when one entry ``hosts`` the others (Muon hosts AdamW): its builder
-gets every group and returns one optimizer, so checkpoints and schedules see one per part.
+[optimizer] section; ``context`` a BuildContext, whose ``settings`` are the entry's own
+section) and one entry below; its own settings, if any, as a ``Section`` in a torch-free
+module beside it (``muon_settings``), and its rules against the rest of a run as
+``refuses``. A part's groups may name several optimizers only when one entry ``hosts`` the
+others (Muon hosts AdamW): its builder gets every group and returns one optimizer, so
+checkpoints and schedules see one per part.
+
+May import: ``config``, ``models`` (specs' parameter roles, attention interfaces),
+``errors``.
 """
 
 from __future__ import annotations
@@ -23,7 +31,10 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from titanlite.optim.rules import ParamGroupRule
+from titanlite.config.catalog import Section
+from titanlite.config.job_config import ParamGroupRule
+from titanlite.config.planned import Rule
+from titanlite.optim import muon_settings
 
 
 @dataclass(frozen=True)
@@ -32,8 +43,9 @@ class BuildContext:
 
     device: Any
     """The torch.device of the parameters."""
-    muon: Any = None
-    """The [muon] section (titanlite.config.job_config.Muon)."""
+    settings: Any = None
+    """The building entry's own section (``OptimizerEntry.section``: [muon] for Muon), or
+    None."""
     replica_group: Any = None
     """The process group over which plain (not DTensor) parameters and their gradients are
     the same on every rank (titanlite's DDP replicas), or None."""
@@ -58,6 +70,11 @@ class OptimizerEntry:
     """Other entries whose groups this optimizer also steps (in one torch optimizer)."""
     matrices_only: bool = False
     """Takes only parameters of 2 or more dimensions (a rule giving it a vector is an error)."""
+    section: Section | None = None
+    """Its own settings ([muon]), if any: its builder gets them as ``context.settings``."""
+    refuses: Rule | None = None
+    """What it cannot take of the planned run (its model, the other settings), checked
+    before launch when optimizer.name or a parameter-group rule names it."""
 
     def implementation(self) -> ModuleType:
         return importlib.import_module(self.module)
@@ -79,7 +96,7 @@ REGISTRY: dict[str, OptimizerEntry] = {
         # and every vector go to AdamW at the same lr (match_rms_adamw makes one lr fit both).
         default_rules=(
             ParamGroupRule(
-                params="tok_embeddings.*, output.*, *.router.*", optimizer="adamw", name="adamw"
+                params="@embeddings, @outputs, @routers", optimizer="adamw", name="adamw"
             ),
             ParamGroupRule(
                 dims="vector", optimizer="adamw", weight_decay=0.0, name="adamw_no_decay"
@@ -88,6 +105,8 @@ REGISTRY: dict[str, OptimizerEntry] = {
         ),
         hosts=("adamw",),
         matrices_only=True,
+        section=muon_settings.SECTION,
+        refuses=muon_settings.refuses,
     ),
 }
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,9 +19,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titanlite import optim
-from titanlite.config.job_config import LRScheduler, Muon, Optimizer
+from titanlite.config.job_config import LRScheduler, Optimizer, ParamGroupRule
 from titanlite.errors import UserError
-from titanlite.optim.rules import ParamGroupRule
+from titanlite.models.spec import PARAM_ROLES
 from titanlite.optim.schedule import build_lr_scheduler
 
 logger = logging.getLogger(__name__)
@@ -56,21 +56,43 @@ def rules_of(settings: Optimizer) -> tuple[ParamGroupRule, ...]:
     return tuple(settings.param_groups) or optim.get(settings.name).default_rules
 
 
-def _matches(rule: ParamGroupRule, name: str, param: nn.Parameter) -> bool:
+def patterns_of(rule: ParamGroupRule, roles: Mapping[str, Sequence[str]]) -> list[str]:
+    """The rule's name patterns, each ``@role`` replaced by the family's patterns for it
+    (``ModelSpec.param_roles``: the embeddings, outputs and routers by their names in that
+    family); a UserError for a role the family does not name."""
+    patterns = []
+    for pattern in (p.strip() for p in rule.params.split(",")):
+        if pattern.startswith("@"):
+            if pattern[1:] not in roles:
+                raise UserError(
+                    f"optimizer.param_groups: {pattern} is not a parameter role; the roles "
+                    f"are {', '.join('@' + r for r in roles)}"
+                )
+            patterns += roles[pattern[1:]]
+        elif pattern:
+            patterns.append(pattern)
+    return patterns
+
+
+def _matches(rule: ParamGroupRule, name: str, param: nn.Parameter, patterns: list[str]) -> bool:
     if rule.dims == "matrix" and param.ndim < 2:
         return False
     if rule.dims == "vector" and param.ndim >= 2:
         return False
-    patterns = [p.strip() for p in rule.params.split(",") if p.strip()]
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
 
 
 def resolve_groups(
-    model: nn.Module, settings: Optimizer, rules: Sequence[ParamGroupRule] | None = None
+    model: nn.Module,
+    settings: Optimizer,
+    rules: Sequence[ParamGroupRule] | None = None,
+    roles: Mapping[str, Sequence[str]] = PARAM_ROLES,
 ) -> list[ParamGroup]:
     """The groups of ``model``'s trainable parameters, in rule order (empty groups left
-    out); a UserError naming a parameter that no rule takes."""
+    out); a UserError naming a parameter that no rule takes. ``roles`` are the model's
+    family's parameter roles (its spec's ``param_roles``), which rules name as ``@role``."""
     rules = tuple(rules) if rules is not None else rules_of(settings)
+    patterns = [patterns_of(rule, roles) for rule in rules]
     groups = [
         ParamGroup(
             name=rule.name or f"rule {i}",
@@ -83,8 +105,8 @@ def resolve_groups(
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        for rule, group in zip(rules, groups, strict=True):
-            if _matches(rule, name, param):
+        for rule, group, pats in zip(rules, groups, patterns, strict=True):
+            if _matches(rule, name, param, pats):
                 if param.ndim < 2 and optim.get(group.optimizer).matrices_only:
                     raise UserError(
                         f"optimizer.param_groups: rule {group.name!r} gives {name} (shape "
@@ -122,19 +144,22 @@ def build_optimizer(
     settings: Optimizer,
     device: torch.device,
     *,
-    muon: Muon | None = None,
+    sections: Mapping[str, Any] | None = None,
+    roles: Mapping[str, Sequence[str]] = PARAM_ROLES,
     replica_group: Any = None,
     dims: Any = None,
     n_layers: int = 0,
 ) -> tuple[torch.optim.Optimizer, list[ParamGroup]]:
     """The optimizer of one model part (a whole model, or a pipeline stage) and its groups.
 
-    ``muon`` is the [muon] section (default: its defaults); ``replica_group`` the group over
-    which plain parameters are replicated (titanlite's DDP), for optimizers that split their
-    work over it (Muon); ``dims`` the run's ParallelDims and ``n_layers`` the model's blocks
-    (QK-clip).
+    ``sections`` are the run's component sections by name (``cfg.components``); the
+    building entry takes its own (``OptimizerEntry.section``; absent: its defaults).
+    ``roles`` the family's parameter roles (``ModelSpec.param_roles``); ``replica_group``
+    the group over which plain parameters are replicated (titanlite's DDP), for optimizers
+    that split their work over it (Muon); ``dims`` the run's ParallelDims and ``n_layers``
+    the model's blocks (QK-clip).
     """
-    groups = resolve_groups(model, settings)
+    groups = resolve_groups(model, settings, roles=roles)
     kinds = sorted({g.optimizer for g in groups})
     host = _host(kinds, settings.name.lower())
     torch_groups = []
@@ -154,10 +179,14 @@ def build_optimizer(
                         "optimizer": group.optimizer,
                     }
                 )
+    entry = optim.get(host)
+    own = None
+    if entry.section is not None:
+        own = (sections or {}).get(entry.section.name) or entry.section.settings()
     context = optim.BuildContext(
-        device, muon or Muon(), replica_group, model=model, dims=dims, n_layers=n_layers
+        device, own, replica_group, model=model, dims=dims, n_layers=n_layers
     )
-    return optim.get(host).implementation().build(torch_groups, settings, context), groups
+    return entry.implementation().build(torch_groups, settings, context), groups
 
 
 def build_optimizers(
@@ -167,21 +196,23 @@ def build_optimizers(
     *,
     total_steps: int,
     device: torch.device,
-    muon: Muon | None = None,
+    sections: Mapping[str, Any] | None = None,
+    roles: Mapping[str, Sequence[str]] = PARAM_ROLES,
     replica_group: Any = None,
     dims: Any = None,
     n_layers: int = 0,
 ) -> tuple[list[torch.optim.Optimizer], list[torch.optim.lr_scheduler.LambdaLR], list[ParamGroup]]:
     """One optimizer and learning-rate schedule per model part (the whole model, or each
-    pipeline stage of this rank), and the groups of all of them (logged); ``muon``,
-    ``replica_group``, ``dims`` and ``n_layers`` as for build_optimizer."""
+    pipeline stage of this rank), and the groups of all of them (logged); ``sections``,
+    ``roles``, ``replica_group``, ``dims`` and ``n_layers`` as for build_optimizer."""
     optimizers, groups = [], []
     for part in parts:
         optimizer, part_groups = build_optimizer(
             part,
             settings,
             device,
-            muon=muon,
+            sections=sections,
+            roles=roles,
             replica_group=replica_group,
             dims=dims,
             n_layers=n_layers,

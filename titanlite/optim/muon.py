@@ -33,11 +33,11 @@ from typing import Any
 
 import torch
 
-from titanlite.config.job_config import Muon as MuonSettings
 from titanlite.config.job_config import Optimizer
 from titanlite.models.interfaces import AttentionLayer, find
 from titanlite.optim import BuildContext
 from titanlite.optim.adamw import adamw_defaults
+from titanlite.optim.muon_settings import MuonSettings
 from titanlite.optim.orthogonalize import Block, Orthogonalizer, blocked
 from titanlite.optim.pieces import local
 from titanlite.optim.qk_clip import QKClip
@@ -175,7 +175,7 @@ class Muon(torch.optim.AdamW):
 def build(
     groups: list[dict[str, Any]], settings: Optimizer, context: BuildContext
 ) -> torch.optim.Optimizer:
-    m: MuonSettings = context.muon
+    m: MuonSettings = context.settings
     ns = NewtonSchulz(
         steps=m.ns_steps,
         coefficients=(m.ns_a, m.ns_b, m.ns_c),

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from titanlite.models.interfaces import RoutedExperts, find
+from titanlite.parallel.ddp.collectives import local_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -81,9 +83,36 @@ def expert_parallel(
     return AllToAll.apply(back, send, recv, group)
 
 
-def apply_ep(model: nn.Module, mesh: DeviceMesh) -> list[RoutedExperts]:
+@dataclass(frozen=True)
+class ExpertGrads:
+    """What expert parallelism leaves to do after each step's backward. FSDP reduces the
+    expert weights' gradients over the ranks that shard each ep rank's experts and divides by
+    that mesh's size, but those gradients already sum the tokens of the whole ep group (the
+    all-to-all's backward brings them), so they come out ep times too large: ``finish``
+    multiplies them by ``scale`` (1 / ep; gloo has no pre-multiplied reduce-scatter for a
+    custom divide factor). ``units`` are the expert modules, one per MoE layer (FSDP also makes
+    each a unit of its own); their parameters are read when finishing, since FSDP replaces a
+    module's parameters after ``apply_ep`` returned."""
+
+    units: tuple[nn.Module, ...]
+    scale: float
+
+    @staticmethod
+    def join(pieces: Sequence[ExpertGrads]) -> ExpertGrads | None:
+        """One fix-up for the experts of every pipeline stage of this rank (None: no pieces)."""
+        if not pieces:
+            return None
+        return ExpertGrads(tuple(u for piece in pieces for u in piece.units), pieces[0].scale)
+
+    def finish(self) -> None:
+        grads = [p.grad for m in self.units for p in m.parameters() if p.grad is not None]
+        if grads and self.scale != 1.0:
+            torch._foreach_mul_([local_tensor(g) for g in grads], self.scale)
+
+
+def apply_ep(model: nn.Module, mesh: DeviceMesh) -> ExpertGrads:
     """Split the experts of every MoE layer of ``model`` over ``mesh`` (the ep dimension);
-    returns those expert modules (FSDP makes each a unit of its own)."""
+    returns those expert modules with the scale their gradients need (``ExpertGrads``)."""
     degree = mesh.size()
     layers = find(model, RoutedExperts)
     for experts in layers:
@@ -102,4 +131,4 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh) -> list[RoutedExperts]:
         len(layers),
         degree,
     )
-    return layers
+    return ExpertGrads(tuple(layers), 1.0 / degree)

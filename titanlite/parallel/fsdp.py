@@ -12,7 +12,7 @@ from torch.distributed.tensor import Shard
 
 from titanlite.dtypes import DTYPES
 from titanlite.models.spec import ModelSpec
-from titanlite.parallel.ddp.support import local_tensor
+from titanlite.parallel.ddp.collectives import local_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +35,8 @@ def apply_fsdp(
     ``expert_units`` over ``expert_mesh``, under expert parallelism: each block's expert
     weights are a unit of their own over that mesh (the dp_shard ranks outside the ep
     group). Their gradients come out ep times too large (they already sum the ep group's
-    tokens, and FSDP divides by its own mesh's size): ``ParallelModel.finish_gradients``
-    scales them (gloo has no pre-multiplied reduce-scatter for a custom divide factor)."""
+    tokens, and FSDP divides by its own mesh's size): ``apply_ep``'s ``ExpertGrads`` scales
+    them after backward."""
     policy = MixedPrecisionPolicy(
         param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype]
     )

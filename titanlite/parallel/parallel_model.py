@@ -15,17 +15,15 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titanlite.data.batches import IGNORE_INDEX
 from titanlite.parallel.context.attention import ContextParallel
-from titanlite.parallel.ddp.engine import BucketedDDP
-from titanlite.parallel.ddp.support import all_reduce_after_backward, local_tensor
+from titanlite.parallel.ddp import BucketedDDP
+from titanlite.parallel.ddp.collectives import full_tensor
 from titanlite.parallel.pipeline import Pipeline
-from titanlite.training.loss import mtp_labels, plain
 
 
 class LossSum(Protocol):
@@ -38,6 +36,12 @@ class LossSum(Protocol):
     def __call__(
         self, logits: torch.Tensor, labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def targets(self, labels: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
+        """[batch, seq] labels -> what ``__call__`` takes as labels in training (with
+        multi-token prediction: [batch, 1 + depths, seq], no target across a document
+        boundary when ``documents``, the inputs' document numbers, are given)."""
+        ...
 
 
 class DocumentStructure(Protocol):
@@ -55,9 +59,17 @@ class DocumentStructure(Protocol):
         ...
 
 
-@dataclass
+class GradientFix(Protocol):
+    """A parallelism's correction to the gradients that the data-parallel engines leave,
+    run once after a step's last backward (``parallelize`` collects them from the
+    ``apply_*`` functions: ``ExpertGrads``, ``LocalTokenGrads``)."""
+
+    def finish(self) -> None: ...
+
+
+@dataclass(frozen=True)
 class ParallelModel:
-    """A model after ``parallelize``.
+    """A model after ``parallelize``, built once, complete, and never changed afterwards.
 
     ``parts`` are the model's modules as built (checkpoints, optimizers and initialization
     use them; the whole model, or this rank's pipeline stages); ``modules`` are what to call
@@ -73,20 +85,18 @@ class ParallelModel:
     loss_parallel: bool = False
     autocast_dtype: torch.dtype | None = None
     materialize_stats: dict[str, float] = field(default_factory=dict)
+    """What allocating and initializing this rank's parts cost (``materialize``), summed over
+    the parts: seconds and elements written; empty on the meta device."""
     pipeline: Pipeline | None = None
     context: ContextParallel | None = None
     documents: DocumentStructure | None = None
-    expert_params: list[nn.Parameter] = field(default_factory=list)
-    """Under expert parallelism: the expert weights, whose gradients come out ep times too
-    large from the data-parallel engine (``expert_scale`` undoes it)."""
-    expert_scale: float = 1.0
-    local_token_params: list[nn.Parameter] = field(default_factory=list)
-    """Under tensor parallelism: weights of layers that run on each rank's sequence shard
-    (a mixture of experts), whose gradients are partial sums over ``tp_group``."""
-    tp_group: dist.ProcessGroup | None = None
+    gradient_fixes: tuple[GradientFix, ...] = ()
+    """Run in this order by ``finish_gradients``: under expert parallelism the experts'
+    scale, under tensor parallelism the sum over TP of layers that run on each rank's own
+    tokens (a mixture of experts)."""
     mtp_depths: int = 0
     """Multi-token prediction depths of the model (``model.mtp_layers``): training logits
-    carry theirs, and the loss gets their targets (``titanlite.training.loss.mtp_labels``)."""
+    carry theirs, and the loss gets their targets (``LossSum.targets``)."""
 
     # ------------------------------------------------------------------ one micro-batch
     def forward_backward(
@@ -161,7 +171,7 @@ class ParallelModel:
         if not self.mtp_depths:
             return self.local_labels(labels)
         documents = self.documents.ids(inputs) if self.documents is not None else None
-        labels = mtp_labels(labels, self.mtp_depths, documents)  # from the whole sequences
+        labels = self.loss_sum.targets(labels, documents)  # from the whole sequences
         if self.context is None:
             return labels
         return labels[
@@ -199,15 +209,11 @@ class ParallelModel:
 
     def finish_gradients(self) -> None:
         """After a step's last backward: what the data-parallel engines do not (pipeline
-        replicas and tied copies, expert scales, TP sums of sequence-shard layers)."""
+        replicas and tied copies, then ``gradient_fixes``)."""
         if self.pipeline is not None:
             self.pipeline.finish_gradients()
-        grads = [p.grad for p in self.expert_params if p.grad is not None]
-        if grads and self.expert_scale != 1.0:
-            torch._foreach_mul_([local_tensor(g) for g in grads], self.expert_scale)
-        partial = [p.grad for p in self.local_token_params if p.grad is not None]
-        if partial:
-            all_reduce_after_backward(partial, self.tp_group)
+        for fix in self.gradient_fixes:
+            fix.finish()
 
     def train(self, mode: bool = True) -> None:
         for module in self.modules:
@@ -221,5 +227,5 @@ def _row_scores(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     ce = F.cross_entropy(
         logits.flatten(0, 1), labels.flatten(), reduction="none", ignore_index=IGNORE_INDEX
     )
-    misses = (plain(logits).argmax(-1) != labels) & (labels != IGNORE_INDEX)
-    return torch.stack([plain(ce).view(labels.shape).sum(1), misses.sum(1).to(ce.dtype)])
+    misses = (full_tensor(logits).argmax(-1) != labels) & (labels != IGNORE_INDEX)
+    return torch.stack([full_tensor(ce).view(labels.shape).sum(1), misses.sum(1).to(ce.dtype)])

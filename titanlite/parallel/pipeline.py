@@ -26,7 +26,7 @@ from torch import nn
 
 from titanlite.config.layout import PipelinePlan
 from titanlite.models.spec import ModelSpec
-from titanlite.parallel.ddp.support import all_reduce_after_backward, local_tensor
+from titanlite.parallel.ddp.collectives import all_reduce_after_backward, local_tensor
 
 logger = logging.getLogger(__name__)
 

@@ -9,9 +9,12 @@ sharded along the vocabulary and the cross-entropy is computed on the shards.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import (
@@ -32,7 +35,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from titanlite.models.spec import ModelSpec, TPStyle
-from titanlite.parallel.ddp.support import local_tensor
+from titanlite.parallel.ddp.collectives import all_reduce_after_backward, local_tensor
 from titanlite.parallel.sequence_shards import SequenceShardGroup
 
 logger = logging.getLogger(__name__)
@@ -42,7 +45,7 @@ class LocalTokens(ParallelStyle):
     """The module runs unchanged on this rank's shard of each sequence (a local tensor, as
     sequence parallelism leaves it) with its weights whole on every TP rank: a mixture of
     experts routes its own tokens. Each TP rank's weight gradients then cover its tokens
-    only; ``ParallelModel.finish_gradients`` sums them over TP (``local_token_params``).
+    only; ``LocalTokenGrads`` sums them over TP after backward.
     The module gets ``sequence_shards`` (``titanlite.models.interfaces.SequenceShards``)
     over the TP group, for statistics that are per whole sequence."""
 
@@ -110,15 +113,29 @@ def _local_inputs(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(local_tensor(a) for a in args)  # DTensors to local tensors, the rest as is
 
 
-def local_token_params(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters of the modules split as ``local_tokens``, whose gradients are partial
-    sums over TP (call after every other transformation: FSDP replaces parameters)."""
-    return [
-        p
-        for m in model.modules()
-        if getattr(m, "sequence_shards", None) is not None
-        for p in m.parameters()
-    ]
+@dataclass(frozen=True)
+class LocalTokenGrads:
+    """What tensor parallelism leaves to do after each step's backward: the modules split as
+    ``local_tokens`` run on each TP rank's own tokens with their weights whole on every rank,
+    so each rank's weight gradients cover its tokens only; ``finish`` sums them over
+    ``group`` (the tp ranks). ``units`` are those modules; their parameters are read when
+    finishing, since FSDP replaces a module's parameters after ``apply_tp`` returned."""
+
+    units: tuple[nn.Module, ...]
+    group: dist.ProcessGroup
+
+    @staticmethod
+    def join(pieces: Sequence[LocalTokenGrads]) -> LocalTokenGrads | None:
+        """One fix-up for every pipeline stage of this rank, so their gradients are summed in
+        the same flat buckets (None: no pieces)."""
+        if not pieces:
+            return None
+        return LocalTokenGrads(tuple(u for piece in pieces for u in piece.units), pieces[0].group)
+
+    def finish(self) -> None:
+        partial = [p.grad for m in self.units for p in m.parameters() if p.grad is not None]
+        if partial:
+            all_reduce_after_backward(partial, self.group)
 
 
 def _style(name: TPStyle, loss_parallel: bool) -> ParallelStyle:
@@ -181,7 +198,11 @@ def _has(model: nn.Module, path: str) -> bool:
     return True
 
 
-def apply_tp(model: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
+def apply_tp(
+    model: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh, loss_parallel: bool
+) -> LocalTokenGrads:
+    """Split ``model`` over ``tp_mesh`` by the spec's plan; returns the modules that run on
+    each rank's own tokens, whose gradients need a sum over TP (``LocalTokenGrads``)."""
     plan = spec.tp_plan
     tied = shared_parameters(model)
     # A pipeline stage holds only some of the root modules (the others are None).
@@ -205,3 +226,5 @@ def apply_tp(model: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh, loss_parall
         tp_mesh.size(),
         " and loss parallelism" if loss_parallel else "",
     )
+    local = [m for m in model.modules() if getattr(m, "sequence_shards", None) is not None]
+    return LocalTokenGrads(tuple(local), tp_mesh.get_group())

@@ -2,6 +2,6 @@
 run per dump folder (``run_lock``), who is alive (``heartbeat``), signals and the agreed stop
 (``stop_signals``, ``stop_vote``), the trainers' pids for the launcher (``pids``).
 
-May import: the root's cross-cutting modules (errors, files, paths) and torch. Nothing of the
-model, data, optimizers or config.
+May import: ``errors``, ``files``, ``paths`` (and torch). Nothing of the model, data,
+optimizers or config.
 """

@@ -2,7 +2,7 @@
 summed over target tokens, z-loss, multi-token prediction), spike skipping (``stability``),
 the weight average (``ema``) and held-out validation (``validate``).
 
-May import: the root's cross-cutting modules, config, data, models, runtime, metrics, and
-parallel (validation runs the ParallelModel). The trainer composes them; nothing below it
-imports this package.
+May import: ``config``, ``data``, ``models``, ``runtime``, ``metrics``, ``parallel``
+(validation runs the ParallelModel), ``errors``. Only the root's entry modules import this
+package.
 """

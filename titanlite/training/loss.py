@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from titanlite.data.batches import IGNORE_INDEX
+from titanlite.parallel.ddp.collectives import full_tensor
 from titanlite.runtime import distributed
 
 
@@ -97,6 +98,10 @@ class TrainingLoss:
         depths = getattr(model_args, "mtp_layers", 0)
         return cls(z_loss_weight, depths, getattr(model_args, "mtp_loss_weight", 0.0))
 
+    def targets(self, labels: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
+        """The labels ``__call__`` takes in training: with MTP depths, ``mtp_labels``."""
+        return mtp_labels(labels, self.mtp_layers, documents) if self.mtp_layers else labels
+
     def __call__(
         self, logits: torch.Tensor, labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,8 +113,8 @@ class TrainingLoss:
             labels = labels[:, 0]
         ce = cross_entropy_sum(logits, labels)
         if len(self.names) == 1:
-            return ce, plain(ce.detach()).reshape(1)
-        ce = plain(ce)
+            return ce, full_tensor(ce.detach()).reshape(1)
+        ce = full_tensor(ce)
         objective, terms = ce, [ce.detach()]
         if self.z_loss_weight > 0:
             z = self.z_loss_weight * z_loss_sum(logits, labels)
@@ -117,15 +122,10 @@ class TrainingLoss:
         if self.mtp_layers > 0:
             mtp = ce.new_zeros(())
             if ahead is not None:
-                mtp = sum(plain(cross_entropy_sum(x, y)) for x, y in ahead) / len(ahead)
+                mtp = sum(full_tensor(cross_entropy_sum(x, y)) for x, y in ahead) / len(ahead)
                 objective = objective + self.mtp_weight * mtp
             terms.append(mtp.detach())
         return objective, torch.stack(terms)
-
-
-def plain(value: torch.Tensor) -> torch.Tensor:
-    """A plain tensor from a possibly distributed one (a loss or logits under loss parallel)."""
-    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 class StepLoss:

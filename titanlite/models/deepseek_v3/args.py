@@ -4,7 +4,7 @@ The DeepSeek-V3 architecture (DeepSeek-V2-Lite, DeepSeek-V3, Kimi K2): multi-hea
 attention (``titanlite.models.attention.latent``) with RoPE on a small per-head part, YaRN
 for long contexts, dense SwiGLU blocks first and then mixtures of fine-grained experts with
 shared experts, sigmoid scores, group-limited routing and the auxiliary-loss-free bias
-(``titanlite.models.moe``).
+(``titanlite.models.moe``, whose router options ``DeepseekV3Args`` inherits).
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from titanlite.models.decoder_spec import check_moe_routing, check_score_func
+from titanlite.models.moe.options import GroupLimitedRouting
 
 
 @dataclass
-class DeepseekV3Args:
+class DeepseekV3Args(GroupLimitedRouting):
     dim: int = 7168
     """Hidden size (the width of the residual stream)."""
     n_layers: int = 61
@@ -43,7 +44,8 @@ class DeepseekV3Args:
     v_head_dim: int = 128
     """Per-head value size."""
     rope_factor: float = 1.0
-    """YaRN context extension: the factor by which the pretraining context is stretched (1 = plain RoPE)."""
+    """YaRN context extension: the factor by which the pretraining context is stretched
+    (1 = plain RoPE)."""
     rope_original_seq_len: int = 4096
     """YaRN: the sequence length RoPE was pretrained at."""
     rope_beta_fast: float = 32.0
@@ -59,37 +61,26 @@ class DeepseekV3Args:
     """SwiGLU width of the dense blocks (the first first_k_dense)."""
     first_k_dense: int = 3
     """Blocks with a dense SwiGLU before the mixture-of-experts blocks."""
+    # The router options (GroupLimitedRouting's fields) where DeepSeek-V3's defaults differ:
+    # shared experts, sigmoid scores, group-limited routing, a route scale, and balancing by
+    # the bias update with a small auxiliary loss.
     num_experts: int = 256
-    """Routed experts in each mixture-of-experts block."""
-    top_k: int = 8
-    """Routed experts each token goes to."""
     moe_hidden_dim: int = 2048
-    """Width of each expert's SwiGLU."""
     shared_experts: int = 1
-    """Experts every token goes through besides its top-k (one SwiGLU of width shared_experts x moe_hidden_dim)."""
     score_func: Literal["softmax", "sigmoid"] = "sigmoid"
-    """How the router scores experts: softmax over all of them, or an independent sigmoid each."""
-    norm_topk: bool = True
-    """Renormalize the chosen experts' weights to sum to one."""
     n_groups: int = 8
-    """Group-limited routing: the experts form this many groups, each token chooses among those of its topk_groups best groups (a group rated by its two best scores); 1 = plain top-k."""
     topk_groups: int = 4
-    """Groups each token's experts may come from (with n_groups > 1)."""
     route_scale: float = 2.5
-    """The chosen experts' weights are multiplied by this (after any renormalization)."""
     aux_loss_coef: float = 0.0001
-    """Weight of the sequence-wise load-balancing loss (0 = none)."""
     bias_update_rate: float = 0.001
-    """Auxiliary-loss-free balancing: after every step each expert's routing bias moves by this much towards an even load (0 = off)."""
-    capacity_factor: float = 0.0
-    """Tokens an expert takes at most, as a multiple of an even share (0 = dropless); tokens over it are dropped and counted."""
-    router_z_loss_coef: float = 0.0
-    """Weight of the router z-loss (ST-MoE; 0 = none)."""
     # Multi-token prediction (titanlite.models.mtp).
     mtp_layers: int = 0
-    """Multi-token prediction depths: depth d adds a block that predicts the token d + 1 after the next from depth d - 1's hidden state and the next token's embedding, trained only (0 = off; DeepSeek-V3 has 1)."""
+    """Multi-token prediction depths: depth d adds a block that predicts the token d + 1 after the
+    next from depth d - 1's hidden state and the next token's embedding, trained only (0 = off;
+    DeepSeek-V3 has 1)."""
     mtp_loss_weight: float = 0.3
-    """Weight of the multi-token prediction loss (the mean over depths of their cross-entropies) in the training objective; logged apart as mtp_loss (DeepSeek-V3: 0.3, later 0.1)."""
+    """Weight of the multi-token prediction loss (the mean over depths of their cross-entropies) in
+    the training objective; logged apart as mtp_loss (DeepSeek-V3: 0.3, later 0.1)."""
 
     qk_norm: ClassVar[bool] = False
     rope_style: ClassVar[str] = "interleaved"  # DeepSeek's checkpoints (HF rope_interleave)

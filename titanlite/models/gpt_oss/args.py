@@ -12,7 +12,7 @@ clamped activation.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 from titanlite.models.decoder_spec import ATTENTION_OVERRIDES
 from titanlite.models.qwen3_moe.args import Qwen3MoeArgs
@@ -34,11 +34,11 @@ class GptOssArgs(Qwen3MoeArgs):
     norm_eps: float = 1e-5
     rope_theta: float = 150000.0
     max_seq_len: int = 131072
+    # Its router weights the top-k by a softmax over them: score_func "softmax" and norm_topk,
+    # the defaults (gpt-oss's OVERRIDES leave them out).
     num_experts: int = 32
     top_k: int = 4
     moe_hidden_dim: int = 2880
-    score_func: Literal["softmax", "sigmoid"] = "softmax"
-    norm_topk: bool = True
     sliding_window: int = 128
     window_pattern: str = "LG"
     attention_sinks: bool = True

@@ -56,7 +56,8 @@ class Qwen35Args:
     chunk_size: int = 64
     """Tokens the chunked delta rule processes at once (a speed setting: results are equal)."""
     linear_attention_kernel: Literal["auto", "torch"] = "auto"
-    """The delta rule's kernel: "auto" runs flash-linear-attention's on CUDA when that package is installed (else the chunked PyTorch one), "torch" always the chunked PyTorch one."""
+    """The delta rule's kernel: "auto" runs flash-linear-attention's on CUDA when that package is
+    installed (else the chunked PyTorch one), "torch" always the chunked PyTorch one."""
 
     POSITIVE: ClassVar[tuple[str, ...]] = (
         "dim",

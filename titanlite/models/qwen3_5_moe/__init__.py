@@ -58,4 +58,11 @@ SPEC = ModelSpec(
     overrides=OVERRIDES,
     active_params=active_params,
     experts=True,
+    # Qwen3.5's MoE sizes, as users name them under qwen3_5: this family builds them (its own
+    # spec and Hugging Face class, as in transformers).
+    also_named={
+        ("qwen3_5", "debugmodel_moe"): "debugmodel",
+        ("qwen3_5", "35B-A3B"): "35B-A3B",
+        ("qwen3_5", "397B-A17B"): "397B-A17B",
+    },
 )

@@ -3,21 +3,23 @@
 Qwen3.5's hybrid of Gated DeltaNet and gated full attention (``titanlite.models.qwen3_5``)
 with a mixture of experts in every block instead of the dense SwiGLU: a softmax router, each
 token's top-k experts with their weights renormalized to sum to one, and one shared expert
-whose output a per-token sigmoid gate scales (``titanlite.models.moe``).
+whose output a per-token sigmoid gate scales (``titanlite.models.moe``, whose router options
+``Qwen35MoeArgs`` inherits).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 from titanlite.models.decoder_spec import check_score_func
+from titanlite.models.moe.options import RouterOptions
 from titanlite.models.qwen3_5.args import OVERRIDES as DENSE_OVERRIDES
 from titanlite.models.qwen3_5.args import Qwen35Args
 
 
 @dataclass
-class Qwen35MoeArgs(Qwen35Args):
+class Qwen35MoeArgs(Qwen35Args, RouterOptions):
     # Qwen3.5-35B-A3B's shapes by default (its config.json's text_config).
     dim: int = 2048
     """Hidden size (the width of the residual stream)."""
@@ -31,28 +33,14 @@ class Qwen35MoeArgs(Qwen35Args):
     """Unused: every block's feed-forward is a mixture of experts (moe_hidden_dim)."""
     linear_v_heads: int = 32
     """Value heads of the Gated DeltaNet layers (a multiple of linear_k_heads)."""
+    # The router options (RouterOptions' fields) where Qwen3.5-MoE's defaults differ, and its
+    # gated shared expert.
     num_experts: int = 256
-    """Routed experts in each block."""
-    top_k: int = 8
-    """Routed experts each token goes to."""
     moe_hidden_dim: int = 512
-    """Width of each expert's SwiGLU (the shared expert's too)."""
     shared_experts: int = 1
-    """Experts every token goes through besides its top-k (one SwiGLU of width shared_experts x moe_hidden_dim)."""
+    aux_loss_coef: float = 0.001
     shared_expert_gate: bool = True
     """Scale the shared experts' output per token by sigmoid(x . w) (Qwen3-Next and Qwen3.5)."""
-    score_func: Literal["softmax", "sigmoid"] = "softmax"
-    """How the router scores experts: softmax over all of them, or an independent sigmoid each."""
-    norm_topk: bool = True
-    """Renormalize the chosen experts' weights to sum to one."""
-    aux_loss_coef: float = 0.001
-    """Weight of the sequence-wise load-balancing loss (0 = none)."""
-    bias_update_rate: float = 0.0
-    """Auxiliary-loss-free balancing: after every step each expert's routing bias moves by this much towards an even load (0 = off)."""
-    capacity_factor: float = 0.0
-    """Tokens an expert takes at most, as a multiple of an even share (0 = dropless); tokens over it are dropped and counted."""
-    router_z_loss_coef: float = 0.0
-    """Weight of the router z-loss (ST-MoE; 0 = none)."""
 
     POSITIVE: ClassVar[tuple[str, ...]] = (
         *(name for name in Qwen35Args.POSITIVE if name != "hidden_dim"),

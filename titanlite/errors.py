@@ -57,6 +57,12 @@ class TrainingDiverged(RuntimeError):
     """The loss or the gradient norm became non-finite (EXIT_DIVERGED)."""
 
 
+class SilentCorruption(RuntimeError):
+    """Replicas that must hold identical bytes differ: a rank computed or stored wrong numbers
+    (EXIT_COMM_FAILURE, as a lost rank: the same command resumes from the last checkpoint,
+    which nothing of the bad rank reached)."""
+
+
 class Preempted(RuntimeError):
     """Stopped on a signal, after saving when checkpoints are on (EXIT_PREEMPTED); the same
     command resumes."""
@@ -87,6 +93,7 @@ EXIT_DIVERGED = 3
 """The loss or the gradient norm became non-finite."""
 EXIT_COMM_FAILURE = 4
 """A collective failed or timed out (comm.timeout_seconds): a rank was lost; one line names it.
+Also a hang the health watchdog diagnosed, and replicas found to differ (silent corruption).
 The checkpoint on disk is untouched; the same command resumes from the latest complete one."""
 EXIT_PREEMPTED = 75
 """Stopped by SIGTERM/SIGUSR1 after saving a checkpoint (EX_TEMPFAIL: "try again later");

@@ -32,6 +32,7 @@ try:
         EXIT_USER_ERROR,
         Interrupted,
         Preempted,
+        SilentCorruption,
         TrainingDiverged,
         UserError,
         error_lines,
@@ -113,7 +114,7 @@ def run(argv: list[str]) -> int:
         return report_error(e, EXIT_USER_ERROR)
     except TrainingDiverged as e:
         return report_error(e, EXIT_DIVERGED)
-    except CommFailure as e:
+    except (CommFailure, SilentCorruption) as e:  # a rank lost, or one computing wrongly
         lost = True
         return report_error(e, EXIT_COMM_FAILURE)
     except Interrupted as e:

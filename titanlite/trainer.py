@@ -28,6 +28,7 @@ from titanlite.data.build import build_training_data
 from titanlite.data.documents import DocumentMask
 from titanlite.downstream.evaluator import Evaluator
 from titanlite.dtypes import DTYPES
+from titanlite.health.monitor import HealthMonitor
 from titanlite.metrics import run_info
 from titanlite.metrics.loggers import format_duration, model_state_bytes
 from titanlite.metrics.moe_tracker import MoETracker
@@ -172,6 +173,18 @@ class Trainer:
         self.guard = SpikeGuard.of(t, self.metrics.log, checkpointed=self.state.nested)
         self.validator = Validator.of(cfg, self.data.validation_sources, self.tokenizer, self.dims)
         self.evaluator = Evaluator.of(cfg, self.tokenizer, self.dims)
+        # Stragglers, hangs and silent corruption ([health]: titanlite/health/).
+        self.health = HealthMonitor.of(
+            cfg.health,
+            rank=self.dist.rank,
+            world_size=self.dist.world_size,
+            device=self.device,
+            dump_folder=self.dump_folder,
+            comm_timeout_s=cfg.comm.timeout_seconds,
+            parts=self.model.parts,
+            optimizers=self.optimizers,
+            replica_group=self.dims.replica_group() if replicated else None,
+        )
         self.startup.mark("outputs")
 
         # 6. Checkpoints: everything resumable, registered once; resume exactly where the
@@ -221,12 +234,15 @@ class Trainer:
                     self.state.step += 1
                     step = self.state.step
                     self.heartbeat.beat(step)
+                    self.health.step_started(step)
                     t0 = time.perf_counter()
                     batches = self.ramp.take(step, self.train_iter, self.data.loader)
                     self.step_logger.waited_for_data(time.perf_counter() - t0)
+                    self.health.data_ready()
                     log = step == first_step or step % cfg.metrics.log_freq == 0 or step == total
                     with self.step_logger.sync_check():
                         losses, grad_norm, extra = self.train_step(batches, log)
+                    health = self.health.step_finished(step, log)  # stragglers, when logged
                     if step == first_step:
                         self.step_logger.startup_done(self.startup)
                         heartbeat.set_timeouts(cfg.comm.timeout_seconds)
@@ -246,7 +262,7 @@ class Trainer:
                                 self.last_lr,
                                 self.state.tokens_seen,
                                 sum(self.model_state.values()),
-                                {**terms, **(extra or {})},
+                                {**terms, **(extra or {}), **(health or {})},
                             )
                         )
                     with self.step_logger.paused():  # validation and saves are not training
@@ -267,17 +283,20 @@ class Trainer:
 
     def _after_step(self, step: int, last: bool) -> None:
         """Validation, downstream tasks, the stop vote and checkpoint saves, in that order."""
+        self.health.after_step(step)  # replicas compare fingerprints at their interval
         for scorer in (self.validator, self.evaluator):  # validation loss, downstream tasks
             if scorer is not None and scorer.due(step, last):
                 scorer.validate(self.model, step, self.metrics)
         stop, timed_save = self.vote.read()
         if stop:  # a preemption or Ctrl-C: save this step, then exit 75 or 130
             if self.cfg.checkpoint.enable:
+                self.health.before_save(step)  # nothing from a corrupt rank is saved
                 self.checkpointer.save(step, force_sync=True)
             raise self.vote.stopped(step, saved=self.cfg.checkpoint.enable)
         if self.checkpointer.should_save(step, last=last) or timed_save:
             if timed_save:
                 logger.info("saving at step %d: checkpoint.interval_minutes passed", step)
+            self.health.before_save(step)
             self.checkpointer.save(step, last=last)
             self.vote.saved()
         self.vote.start()
@@ -308,6 +327,7 @@ class Trainer:
             with self.model.grad_sync(i == len(batches) - 1):
                 loss_sums += self.model.forward_backward(inputs, labels, scale)
         self.model.finish_gradients()
+        self.health.optimizer_started()
         grad_norm = clip_grad_norm_(
             self.params, self.cfg.training.max_norm, self.stage_group, self.model.norm_skip
         )
@@ -333,6 +353,7 @@ class Trainer:
         """Finish a save in flight and close the loggers; ``abandon`` (a rank was lost):
         leave the save in flight unfinished, as it would wait for the lost rank."""
         self.heartbeat.close()
+        self.health.close()
         if heartbeat.ACTIVE is self.heartbeat:
             heartbeat.ACTIVE = None
         self.checkpointer.close(abandon=abandon or self.lost)

@@ -35,9 +35,11 @@ class Section:
 
 @dataclass(frozen=True)
 class Catalog:
-    """Everything the config needs to know of the components."""
+    """Everything the config needs to know of the components. The registries are read live
+    (an entry registered later, a plug-in's, shows up with its section and names)."""
 
-    sections: tuple[Section, ...] = ()
+    declared: Callable[[], tuple[Section, ...]] = tuple
+    """() -> the components' sections, in the order the registries list them."""
     families: Mapping[str, Any] = field(default_factory=dict)
     """Family name -> its ModelSpec (read: ``flavors``, ``args_cls``, ``overrides``)."""
     optimizers: Mapping[str, Any] = field(default_factory=dict)
@@ -55,6 +57,15 @@ class Catalog:
     state_keys: tuple[str, ...] = ()
     """What a checkpoint holds, by name (checkpoint.exclude_from_loading may list them)."""
 
+    @property
+    def sections(self) -> tuple[Section, ...]:
+        """The components' sections; a ValueError when two declare the same name."""
+        found = self.declared()
+        names = [s.name for s in found]
+        if len(set(names)) != len(names):
+            raise ValueError(f"two components declare the same section: {sorted(names)}")
+        return found
+
     def section(self, name: str) -> Section | None:
         return next((s for s in self.sections if s.name == name), None)
 
@@ -65,9 +76,7 @@ _installed: Catalog | None = None
 def install(catalog: Catalog) -> None:
     """Make ``catalog`` the one the config reads (titanlite.components does it on import)."""
     global _installed
-    names = [s.name for s in catalog.sections]
-    if len(set(names)) != len(names):
-        raise ValueError(f"two components declare the same section: {sorted(names)}")
+    catalog.sections  # noqa: B018 - two components declaring one section fail here, at import
     _installed = catalog
 
 

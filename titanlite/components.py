@@ -20,17 +20,20 @@ from titanlite.config import catalog
 from titanlite.config.planned import Rule
 from titanlite.data import rules as data_rules
 from titanlite.downstream import settings as eval_settings
+from titanlite.ft import settings as ft_settings
 from titanlite.health import settings as health_settings
 from titanlite.models import torchtitan as torchtitan_models
 from titanlite.parallel import rules as parallel_rules
 
-FEATURE_SECTIONS = (eval_settings.SECTION, health_settings.SECTION)
-"""Sections of features that no registry lists: [eval] (downstream tasks), [health]."""
+FEATURE_SECTIONS = (eval_settings.SECTION, health_settings.SECTION, ft_settings.SECTION)
+"""Sections of features that no registry lists: [eval] (downstream tasks), [health],
+[fault_tolerance]."""
 
 RUN_RULES: tuple[Rule, ...] = (
     *parallel_rules.RULES,
     *data_rules.RULES,
     eval_settings.check_tasks,
+    ft_settings.rules,
 )
 """The cross-feature rules of features without a registry entry, run before every run
 (``titanlite.checks.check``); registry entries declare theirs as ``refuses``."""

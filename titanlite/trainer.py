@@ -28,6 +28,8 @@ from titanlite.data.build import build_training_data
 from titanlite.data.documents import DocumentMask
 from titanlite.downstream.evaluator import Evaluator
 from titanlite.dtypes import DTYPES
+from titanlite.ft import replicas as ft_replicas
+from titanlite.ft.settings import data_share, group_folder
 from titanlite.health.monitor import HealthMonitor
 from titanlite.metrics import run_info
 from titanlite.metrics.loggers import format_duration, model_state_bytes
@@ -56,6 +58,7 @@ class Trainer:
         # 1. Processes, devices and the layout. The stop vote's signal handlers go first: a
         # preemption during a long start-up must end with EXIT_PREEMPTED, not a kill.
         world_size = distributed.env_info()[1]
+        cfg.job.dump_folder = group_folder(cfg.fault_tolerance, cfg.job.dump_folder)
         self.vote = StopVote(world_size, c.interval_minutes if c.enable else 0.0)
         self.tokenizer = check(cfg, world_size)
         self.dist = distributed.init(t.seed, cfg.comm.init_timeout_seconds)
@@ -82,8 +85,7 @@ class Trainer:
             self.tokenizer,
             t,
             cfg.validation,
-            dp_rank=self.dims.batch_rank,
-            dp_world_size=self.dims.batch_size,
+            **data_share(cfg.fault_tolerance, self.dims.batch_rank, self.dims.batch_size),
         )
         self.startup.mark("data")
 
@@ -219,6 +221,20 @@ class Trainer:
                 f"resumed from checkpoint at step {self.state.step}",
             )
         self.train_iter = iter(self.data.loader)
+        # Replica groups (fault_tolerance: titanlite/ft/): the quorum, the gradient average
+        # across groups, the commit, and the state a group coming back heals from.
+        self.replicas = ft_replicas.join(
+            cfg.fault_tolerance,
+            rank=self.dist.rank,
+            world_size=self.dist.world_size,
+            parts=self.model.parts,
+            optimizers=self.optimizers,
+            schedulers=self.lr_schedulers,
+            counters=self.state.state_dict,
+            set_counters=self.state.load_state_dict,
+        )
+        self.replicas.set_step(self.state.step)
+        self.retry: list | None = None  # batches of a step the groups did not commit
         self.startup.mark("checkpoint")
 
     # ------------------------------------------------------------------ the loop
@@ -231,17 +247,24 @@ class Trainer:
         try:
             with profiling(cfg.profiling, self.dump_folder, self.dist.rank, first_step) as prof:
                 while self.state.step < total:
+                    self.replicas.start_step()  # a group that was away heals here
+                    if self.state.step >= total:
+                        break
                     self.state.step += 1
                     step = self.state.step
                     self.heartbeat.beat(step)
                     self.health.step_started(step)
                     t0 = time.perf_counter()
-                    batches = self.ramp.take(step, self.train_iter, self.data.loader)
+                    batches = self.retry or self.ramp.take(step, self.train_iter, self.data.loader)
                     self.step_logger.waited_for_data(time.perf_counter() - t0)
                     self.health.data_ready()
                     log = step == first_step or step % cfg.metrics.log_freq == 0 or step == total
                     with self.step_logger.sync_check():
                         losses, grad_norm, extra = self.train_step(batches, log)
+                    self.retry = None if self.committed else batches
+                    if self.retry:  # a replica group failed during the step: run it again
+                        self.state.step -= 1
+                        continue
                     health = self.health.step_finished(step, log)  # stragglers, when logged
                     if step == first_step:
                         self.step_logger.startup_done(self.startup)
@@ -327,10 +350,16 @@ class Trainer:
             with self.model.grad_sync(i == len(batches) - 1):
                 loss_sums += self.model.forward_backward(inputs, labels, scale)
         self.model.finish_gradients()
+        self.replicas.average_gradients([p.grad for p in self.params if p.grad is not None])
         self.health.optimizer_started()
         grad_norm = clip_grad_norm_(
             self.params, self.cfg.training.max_norm, self.stage_group, self.model.norm_skip
         )
+        self.committed = self.replicas.should_commit()  # every group got through the step
+        if not self.committed:
+            for optimizer in self.optimizers:
+                optimizer.zero_grad(set_to_none=True)
+            return StepLoss(loss_sums, n_tokens, loss_group), grad_norm, None
         losses, step = StepLoss(loss_sums, n_tokens, loss_group), self.state.step
         update = self.guard is None or self.guard.accept(losses.mean()[0], grad_norm, step)
         self.last_lr = self.lr_schedulers[0].get_last_lr()[0]  # the rate this step uses
@@ -342,7 +371,11 @@ class Trainer:
             self.ema.update()
         # Routing biases move (when on) after an update; metrics only at log steps.
         extra = self.moe.after_step(log=log, update=update) if self.moe else None
-        extra = {**(extra or {}), **step_metrics(self.optimizers)} if log else None
+        extra = (
+            {**(extra or {}), **step_metrics(self.optimizers), **self.replicas.metrics()}
+            if log
+            else None
+        )
         if self.model_state is None or not self.model_state["optimizer"]:  # after an update
             self.model_state = model_state_bytes(self.model.parts, self.optimizers)
         for optimizer in self.optimizers:
@@ -354,6 +387,7 @@ class Trainer:
         leave the save in flight unfinished, as it would wait for the lost rank."""
         self.heartbeat.close()
         self.health.close()
+        self.replicas.close()
         if heartbeat.ACTIVE is self.heartbeat:
             heartbeat.ACTIVE = None
         self.checkpointer.close(abandon=abandon or self.lost)

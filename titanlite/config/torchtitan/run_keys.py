@@ -161,10 +161,32 @@ def run_rules() -> dict[str, Rule]:
             inert=(False,),
         ),
         "memory_estimation.*": Rule(note="only used with memory estimation"),
-        "fault_tolerance.enable": Rule(
-            note="titanlite has no fault-tolerant (torchft) training", inert=(False,), blocks=True
+        **same(
+            *(
+                f"fault_tolerance.{key}"
+                for key in (
+                    "enable",
+                    "replica_id",
+                    "group_size",
+                    "min_replica_size",
+                    "process_group",
+                    "process_group_timeout_ms",
+                    "sync_steps",
+                    "num_fragments",
+                    "fragment_sync_delay",
+                    "fragment_update_alpha",
+                    "should_quantize",
+                )
+            )
         ),
-        "fault_tolerance.*": Rule(note="only used with fault tolerance"),
+        "fault_tolerance.semi_sync_method": Rule(
+            note="titanlite has no semi-synchronous training yet (diloco, local_sgd)",
+            inert=("",),
+            blocks=True,
+        ),
+        "fault_tolerance.*": Rule(
+            note="TorchTitan's fault-tolerance settings titanlite has none of"
+        ),
         "experimental.custom_import": Rule(
             note="titanlite cannot import TorchTitan extensions", inert=("",), blocks=True
         ),

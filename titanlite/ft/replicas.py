@@ -1,0 +1,292 @@
+"""This rank's place among the replica groups: torchft's Manager, the step protocol and the
+state a healing group receives.
+
+Rank r of every group holds the same slice of the model (every group runs the same layout),
+so rank r of each group is one member of a process group across groups, which the Manager
+reconfigures at every quorum. A step is: ``start_step`` (the quorum, synchronous: a group
+that comes back receives the state of a live peer's rank r right here, before its forward),
+forward and backward inside the group as always, ``average_gradients`` (each local gradient
+summed across the participating groups in flat buckets, divided by their number),
+``should_commit`` (every group agrees whether the step counts; the optimizer steps only if
+it does). A collective across groups that fails (a group died) is swallowed by torchft: the
+step is not committed and is run again, with the same batches, by the groups still there.
+
+What a healing group receives: every parameter and buffer of its model parts (this rank's
+local shards), every optimizer state tensor, the learning-rate schedules and the step and
+token counters. Not the data position: each group reads its own share and keeps its own
+place (from its own checkpoint when it resumes).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllreduceOptions
+from torch.distributed.tensor import DTensor
+
+from titanlite.errors import UserError
+from titanlite.ft.settings import FaultTolerance, lighthouse_address
+
+logger = logging.getLogger(__name__)
+
+BUCKET_BYTES = 25 * 1024 * 1024
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class ReplicaGroups:
+    """torchft's Manager for this rank, and what the trainer asks of it."""
+
+    def __init__(
+        self,
+        settings: FaultTolerance,
+        *,
+        rank: int,
+        world_size: int,
+        state: Callable[[], dict[str, Any]],
+        load_state: Callable[[dict[str, Any]], None],
+    ) -> None:
+        # torchft logs every quorum and commit at INFO (its Rust side reads RUST_LOG once,
+        # at import): titanlite's own lines say what a user needs.
+        os.environ.setdefault("RUST_LOG", "warn")
+        for name in ("torchft", "torchft_commits", "torchft_quorums", "torchft_errors"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+        import torchft
+        from torchft import process_group as ft_pg
+
+        self.settings = settings
+        timeout = timedelta(milliseconds=settings.process_group_timeout_ms)
+        backend = (
+            ft_pg.ProcessGroupNCCL if settings.process_group == "nccl" else ft_pg.ProcessGroupGloo
+        )
+        self.pg = backend(timeout=timeout)
+        addr, port, self._store = _group_store(world_size)
+        lighthouse = lighthouse_address(settings)
+        quorum = timedelta(seconds=settings.quorum_timeout_s)
+        try:
+            self.manager = torchft.Manager(
+                pg=self.pg,
+                load_state_dict=load_state,
+                state_dict=state,
+                min_replica_size=settings.min_replica_size,
+                use_async_quorum=False,
+                timeout=timeout,
+                quorum_timeout=quorum,
+                connect_timeout=quorum,
+                rank=rank,
+                world_size=world_size,
+                store_addr=addr,
+                store_port=port,
+                lighthouse_addr=lighthouse,
+                replica_id=f"titanlite_{settings.replica_id}",
+                init_sync=False,
+            )
+        except RuntimeError as e:
+            if "connect" in str(e).lower():
+                raise UserError(
+                    f"fault_tolerance.lighthouse: no lighthouse answers at {lighthouse!r} "
+                    f"within {settings.quorum_timeout_s:g} s (start one with torchft_lighthouse "
+                    "--min_replicas N, or scripts/ft_local.sh)"
+                ) from None
+            raise
+        logger.info(
+            "fault tolerance: replica group %d of %d, lighthouse %s",
+            settings.replica_id,
+            settings.group_size,
+            lighthouse,
+        )
+
+    # ------------------------------------------------------------------ a step
+    def start_step(self) -> None:
+        """The quorum of this step; a group that was away is healed before this returns."""
+        self.manager.start_quorum()
+
+    def participants(self) -> int:
+        return self.manager.num_participants()
+
+    def metrics(self) -> dict[str, float]:
+        """For a logged record: how many groups took part in the step."""
+        return {"replicas": float(self.participants())}
+
+    def average_gradients(self, grads: Sequence[torch.Tensor]) -> None:
+        """Each local gradient summed across the participating groups (flat buckets of one
+        dtype, all in flight at once) and divided by their number; a group healing this step
+        contributes zeros. An error (a group gone) is swallowed: the step will not commit."""
+        manager = self.manager
+        if manager.errored() is not None:
+            return
+        n = manager.num_participants()
+        local = [_local(g) for g in grads]
+        if not manager.is_participating():
+            for g in local:
+                g.zero_()
+        pending = []
+        for bucket in _flat_buckets(local):
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            try:
+                opts = AllreduceOptions()
+                opts.reduceOp = dist.ReduceOp.SUM
+                pending.append((bucket, flat, self.pg.allreduce([flat], opts)))
+            except Exception as e:  # noqa: BLE001 - torchft's process group raises anything
+                manager.report_error(e)
+                return
+        for bucket, flat, work in pending:
+            try:
+                work.wait()
+            except Exception as e:  # noqa: BLE001
+                manager.report_error(e)
+                return
+            flat /= n
+            for g, piece in zip(bucket, flat.split([g.numel() for g in bucket]), strict=True):
+                g.copy_(piece.view_as(g))
+
+    def should_commit(self) -> bool:
+        """Whether every participating group got through the step (then the optimizer steps);
+        the same answer on every rank of this group."""
+        return self.manager.should_commit()
+
+    def set_step(self, step: int) -> None:
+        """The committed step after a resume from this group's own checkpoint."""
+        self.manager.load_state_dict({"step": step, "batches_committed": 0})
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def _flat_buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if not buckets or size + nbytes > BUCKET_BYTES or buckets[-1][0].dtype != t.dtype:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(t)
+        size += nbytes
+    return buckets
+
+
+def _group_store(world_size: int) -> tuple[str, int, Any]:
+    """The address of this group's TCPStore, which the Manager joins: torchrun's (its
+    rendezvous store), or for a group of one process without torchrun a store of its own."""
+    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None
+    if world_size != 1:
+        raise UserError("fault_tolerance: a group of several processes must start under torchrun")
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    return "127.0.0.1", store.port, store
+
+
+# ---------------------------------------------------------------------- the healing state
+def heal_state(
+    parts: Sequence[torch.nn.Module],
+    optimizers: Sequence[torch.optim.Optimizer],
+    schedulers: Sequence[Any],
+    counters: Callable[[], dict[str, int]],
+) -> dict[str, Any]:
+    """What a live group sends a healing one (references, no copies: torchft serializes
+    them while this group waits in its quorum)."""
+    state: dict[str, Any] = {"counters": counters()}
+    for i, part in enumerate(parts):
+        for name, tensor in [*part.named_parameters(), *part.named_buffers()]:
+            state[f"model.{i}.{name}"] = _local(tensor.detach())
+    for j, optimizer in enumerate(optimizers):
+        for index, param in enumerate(_params(optimizer)):
+            for key, value in optimizer.state.get(param, {}).items():
+                if isinstance(value, torch.Tensor):
+                    state[f"optim.{j}.{index}.{key}"] = _local(value)
+    for j, scheduler in enumerate(schedulers):
+        state[f"schedule.{j}"] = scheduler.state_dict()
+    return state
+
+
+def load_heal_state(
+    state: dict[str, Any],
+    parts: Sequence[torch.nn.Module],
+    optimizers: Sequence[torch.optim.Optimizer],
+    schedulers: Sequence[Any],
+    *,
+    set_counters: Callable[[dict[str, int]], None],
+) -> None:
+    """Copy a live group's state into this one's tensors (on the main thread, before the
+    forward of the step it rejoins at). Optimizer state that does not exist yet (a group
+    started afresh) is created first, as a checkpoint load does."""
+    with torch.no_grad():
+        for i, part in enumerate(parts):
+            for name, tensor in [*part.named_parameters(), *part.named_buffers()]:
+                _local(tensor.detach()).copy_(state[f"model.{i}.{name}"])
+        for j, optimizer in enumerate(optimizers):
+            params = _params(optimizer)
+            if any(p not in optimizer.state for p in params):
+                from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+                _init_optim_state(optimizer)
+            for index, param in enumerate(params):
+                for key, value in optimizer.state[param].items():
+                    if isinstance(value, torch.Tensor):
+                        _local(value).copy_(state[f"optim.{j}.{index}.{key}"])
+    for j, scheduler in enumerate(schedulers):
+        scheduler.load_state_dict(state[f"schedule.{j}"])
+    set_counters(state["counters"])
+
+
+def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+class Solo:
+    """fault_tolerance.enable = false: one group, every step commits."""
+
+    def start_step(self) -> None:
+        pass
+
+    def participants(self) -> int:
+        return 1
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def average_gradients(self, grads: Sequence[torch.Tensor]) -> None:
+        pass
+
+    def should_commit(self) -> bool:
+        return True
+
+    def set_step(self, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def join(
+    settings: FaultTolerance,
+    *,
+    rank: int,
+    world_size: int,
+    parts: Sequence[torch.nn.Module],
+    optimizers: Sequence[torch.optim.Optimizer],
+    schedulers: Sequence[Any],
+    counters: Callable[[], dict[str, int]],
+    set_counters: Callable[[dict[str, int]], None],
+) -> ReplicaGroups | Solo:
+    """This rank's replica groups (or ``Solo`` without fault tolerance)."""
+    if not settings.enable:
+        return Solo()
+    return ReplicaGroups(
+        settings,
+        rank=rank,
+        world_size=world_size,
+        state=lambda: heal_state(parts, optimizers, schedulers, counters),
+        load_state=lambda state: load_heal_state(
+            state, parts, optimizers, schedulers, set_counters=set_counters
+        ),
+    )

@@ -1,0 +1,146 @@
+"""[fault_tolerance]: replica groups through torchft, with TorchTitan's key names. Plain
+Python: torchft is only looked for, not imported."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from titanlite.config.catalog import Section
+from titanlite.config.planned import PlannedRun
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+
+
+@dataclass
+class FaultTolerance:
+    """[fault_tolerance]: train as one of several replica groups that fail, heal and rejoin
+    without stopping the others (docs/fault_tolerance.md; needs torchft:
+    pip install 'titanlite[ft]')."""
+
+    enable: bool = False
+    """Join the replica groups through torchft's lighthouse."""
+    replica_id: int = 0
+    """This group's id, 0 .. group_size - 1 (each group reads its own share of the data)."""
+    group_size: int = 0
+    """How many replica groups the run has (TorchTitan's name): the data is split into that
+    many shares, one per group."""
+    min_replica_size: int = 1
+    """Groups that must take part in a step for it to count (fewer: the step is not taken)."""
+    lighthouse: str = ""
+    """The lighthouse's address, e.g. http://host:29510 ("" = the TORCHFT_LIGHTHOUSE
+    environment variable)."""
+    process_group: Literal["gloo", "nccl"] = "gloo"
+    """The backend of the process group across groups."""
+    process_group_timeout_ms: int = 10000
+    """How long a collective across groups may take before the group it waits for is
+    counted out of the step."""
+    quorum_timeout_s: float = 60.0
+    """How long a step waits for the quorum (the lighthouse's answer) before the run stops
+    with exit status 4."""
+    semi_sync_method: Literal["", "diloco", "local_sgd"] = ""
+    """"" = gradients averaged across groups every step; diloco and local_sgd are not in
+    titanlite yet (refused)."""
+    sync_steps: int = 5
+    """(semi_sync_method) inner steps between synchronizations."""
+    num_fragments: int = 1
+    """(semi_sync_method = diloco) fragments synchronized at staggered steps."""
+    fragment_sync_delay: int = 0
+    """(semi_sync_method = diloco) steps a fragment's synchronization may lag."""
+    fragment_update_alpha: float = 0.0
+    """(semi_sync_method = diloco) weight of the local parameters in a fragment's merge."""
+    should_quantize: bool = False
+    """(semi_sync_method = diloco) quantize the exchanged pseudo-gradients."""
+
+
+def group_folder(settings: FaultTolerance, dump_folder: str) -> str:
+    """Each replica group's own folder under job.dump_folder (its run lock, metrics and
+    checkpoints): replica-<id>; the folder itself without fault tolerance."""
+    if not settings.enable:
+        return dump_folder
+    return os.path.join(dump_folder, f"replica-{settings.replica_id}")
+
+
+def data_share(settings: FaultTolerance, batch_rank: int, batch_size: int) -> dict[str, int]:
+    """This rank's share of the data: across replica groups as data parallelism is within
+    one (group g's ranks read shares g x batch_size ... g x batch_size + batch_size - 1)."""
+    if not settings.enable:
+        return {"dp_rank": batch_rank, "dp_world_size": batch_size}
+    return {
+        "dp_rank": settings.replica_id * batch_size + batch_rank,
+        "dp_world_size": settings.group_size * batch_size,
+    }
+
+
+def lighthouse_address(settings: FaultTolerance) -> str:
+    return settings.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")
+
+
+def check(cfg: Any, problems: Any) -> None:
+    """The values of [fault_tolerance], when it is on."""
+    f = cfg.fault_tolerance
+    if not f.enable:
+        return
+    if f.group_size < 1:
+        problems.add(
+            f"fault_tolerance.group_size: must be at least 1 (the number of replica groups), "
+            f"got {f.group_size!r}"
+        )
+    elif not 0 <= f.replica_id < f.group_size:
+        problems.add(
+            f"fault_tolerance.replica_id: must be in [0, group_size = {f.group_size}), got "
+            f"{f.replica_id!r}"
+        )
+    if f.group_size >= 1 and not 1 <= f.min_replica_size <= f.group_size:
+        problems.add(
+            f"fault_tolerance.min_replica_size: must be in [1, group_size = {f.group_size}], "
+            f"got {f.min_replica_size!r}"
+        )
+    if f.process_group_timeout_ms < 1:
+        problems.add("fault_tolerance.process_group_timeout_ms: must be at least 1")
+    if not f.quorum_timeout_s > 0:
+        problems.add("fault_tolerance.quorum_timeout_s: must be > 0")
+    if f.semi_sync_method:
+        problems.add(
+            f"fault_tolerance.semi_sync_method {f.semi_sync_method!r}: titanlite has no "
+            'semi-synchronous training yet; leave it "" (gradients averaged every step)'
+        )
+    if not lighthouse_address(f):
+        problems.add(
+            "fault_tolerance.lighthouse: no lighthouse address (set it, or "
+            f"{LIGHTHOUSE_ENV}; scripts/ft_local.sh starts one and the groups)"
+        )
+    if importlib.util.find_spec("torchft") is None:
+        problems.add(
+            "fault_tolerance.enable needs torchft, which is not installed: "
+            "pip install 'titanlite[ft]'"
+        )
+
+
+def rules(run: PlannedRun) -> list[str]:
+    """What replica groups cannot take yet: each is a decision every group must make alike,
+    which today each group would make from its own batch alone."""
+    f, d, lines = run.cfg.fault_tolerance, run.degrees, []
+    if not f.enable:
+        return lines
+    if d is not None and d.pp > 1:
+        lines.append(
+            "fault_tolerance: replica groups do not combine with pipeline parallelism yet; "
+            "set parallelism.pipeline_parallel_degree to 1"
+        )
+    if run.cfg.training.skip_spikes:
+        lines.append(
+            "fault_tolerance: training.skip_spikes would decide from each group's own loss "
+            "(the groups would part ways); leave it empty with replica groups"
+        )
+    if getattr(run.args, "bias_update_rate", 0) > 0:
+        lines.append(
+            "fault_tolerance: the routing bias moves with each group's own expert loads (the "
+            "groups would part ways); set model.bias_update_rate = 0 with replica groups"
+        )
+    return lines
+
+
+SECTION = Section("fault_tolerance", FaultTolerance, after="comm", check=check)

@@ -27,6 +27,7 @@ from titanlite.errors import (
     UserError,
     error_lines,
 )
+from titanlite.ft.settings import group_folder
 from titanlite.runtime import run_lock
 
 
@@ -44,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
             vocab = tokenizer.vocab_size if tokenizer else 0
             sys.stdout.write(dry_run(cfg, world_size, vocab) + "\n")
             return EXIT_NO_LAUNCH
-        run_lock.check_free(cfg.job.dump_folder)
+        # (a replica group's run holds its own folder: replica-<id>)
+        run_lock.check_free(group_folder(cfg.fault_tolerance, cfg.job.dump_folder))
         # run_train.sh asks where the run writes, to give torchrun's per-rank logs a home there.
         answer = os.environ.get("TITANLITE_DUMP_FOLDER_FILE")
         if answer:

@@ -274,7 +274,8 @@ class Trainer:
                     self.step_logger.trained(batches, self.cp)
                     self.state.add_tokens(losses.n_tokens)
                     if log:  # only a logged step reduces its loss and reads values on the host
-                        terms = dict(zip(self.loss.names, losses.mean().tolist(), strict=True))
+                        means = self.replicas.mean_over_groups(losses.mean())  # (all groups)
+                        terms = dict(zip(self.loss.names, means.tolist(), strict=True))
                         loss, norm = terms.pop("loss"), float(grad_norm)
                         terms.update(finite_or_guarded(self.guard, loss, norm, step))
                         self.step_logger.log(

@@ -116,6 +116,18 @@ class ReplicaGroups:
         """For a logged record: how many groups took part in the step."""
         return {"replicas": float(self.participants())}
 
+    def mean_over_groups(self, values: torch.Tensor) -> torch.Tensor:
+        """The mean of ``values`` (a logged step's loss terms) over the groups that took part
+        in the step; this group's own if the collective fails (a group just died)."""
+        total = values.detach().clone()
+        try:
+            opts = AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp.SUM
+            self.pg.allreduce([total], opts).wait()
+        except Exception:  # noqa: BLE001 - torchft's process group raises anything
+            return values
+        return total / self.participants()
+
     def average_gradients(self, grads: Sequence[torch.Tensor]) -> None:
         """Each local gradient summed across the participating groups (flat buckets of one
         dtype, all in flight at once) and divided by their number; a group healing this step
@@ -235,6 +247,12 @@ def load_heal_state(
                         _local(value).copy_(state[f"optim.{j}.{index}.{key}"])
     for j, scheduler in enumerate(schedulers):
         scheduler.load_state_dict(state[f"schedule.{j}"])
+        # The state says where the schedule is; the rate the optimizer steps with is in its
+        # groups, which only scheduler.step() writes: set it, or the first step after a heal
+        # would use a fresh process's warm-up rate.
+        groups = scheduler.optimizer.param_groups
+        for group, lr in zip(groups, scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr
     set_counters(state["counters"])
 
 
@@ -253,6 +271,9 @@ class Solo:
 
     def metrics(self) -> dict[str, float]:
         return {}
+
+    def mean_over_groups(self, values: torch.Tensor) -> torch.Tensor:
+        return values
 
     def average_gradients(self, grads: Sequence[torch.Tensor]) -> None:
         pass

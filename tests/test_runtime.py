@@ -54,6 +54,8 @@ VOTE = ("all_reduce", True, "titanlite.runtime.stop_vote.start")
 VOTE_READ = ("__int__", "titanlite.runtime.stop_vote.settle")  # a CPU tensor: no device sync
 LOSS_SUM = TOKEN_COUNT  # the same call: the loss terms' sums, all-reduced over the loss group
 GUARD_READ = ("tolist", "titanlite.training.stability.accept")  # the step's loss and gradient norm
+# [health] (docs/reliability.md): a logged step also gathers every rank's step timings.
+STRAGGLERS = ("all_gather", False, "titanlite.health.stragglers._gather")
 
 
 QUIET_STEP, LOGGED_STEP = 3, 5  # log_freq 5
@@ -90,7 +92,8 @@ def test_a_step_that_is_not_logged_waits_only_for_the_token_count(work, layout):
 def test_a_logged_step_also_reduces_and_reads_the_loss(work):
     got = work("dp_shard=2")[LOGGED_STEP]  # the same run as the first layout's test above
     own = [c for c in got["calls"] if c[2].startswith("titanlite.")]
-    assert own == [TOKEN_COUNT, TOKEN_COUNT, VOTE]  # the second one: the loss sum, for the log
+    # the stragglers' timings as the step ends, then the loss sum for the log
+    assert own == [TOKEN_COUNT, STRAGGLERS, LOSS_SUM, VOTE]
     assert len(got["reads"]) > 1 and VOTE_READ in got["reads"]
 
 
@@ -98,9 +101,10 @@ def test_with_the_spike_guard_every_step_reduces_and_reads_its_loss_once(work):
     runs = work(next(iter(GUARDED)))
     quiet, logged = runs[QUIET_STEP], runs[LOGGED_STEP]
     assert quiet["reads"] == [GUARD_READ, VOTE_READ]
-    for got in (quiet, logged):  # the logged step reads more values, but reduces nothing more
+    for got, health in ((quiet, []), (logged, [STRAGGLERS])):
+        # the logged step reads more values, but reduces nothing more than the stragglers' timings
         own = [c for c in got["calls"] if c[2].startswith("titanlite.")]
-        assert own == [TOKEN_COUNT, LOSS_SUM, VOTE]
+        assert own == [TOKEN_COUNT, LOSS_SUM, *health, VOTE]
     assert logged["reads"].count(GUARD_READ) == 1
 
 

@@ -11,5 +11,6 @@ for;
 bit-identically (parameters, optimizer state) and names the rank that differs. ``monitor``
 is the trainer's one handle on all of them. docs/reliability.md has the fault table.
 
-May import: ``config``, ``runtime``, ``parallel.dims``, ``errors``, ``files``.
+May import: ``config``, ``errors``, ``files``. torch.distributed is its whole view of the
+ranks; it never reaches into a layout.
 """

@@ -351,7 +351,7 @@ class Trainer:
             with self.model.grad_sync(i == len(batches) - 1):
                 loss_sums += self.model.forward_backward(inputs, labels, scale)
         self.model.finish_gradients()
-        self.replicas.average_gradients([p.grad for p in self.params if p.grad is not None])
+        self.replicas.average_gradients(self.params)
         self.health.optimizer_started()
         grad_norm = clip_grad_norm_(
             self.params, self.cfg.training.max_norm, self.stage_group, self.model.norm_skip

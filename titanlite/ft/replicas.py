@@ -28,18 +28,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllreduceOptions
-from torch.distributed.tensor import DTensor
 
 from titanlite.errors import UserError
 from titanlite.ft.settings import FaultTolerance, lighthouse_address
+from titanlite.parallel.ddp.collectives import flat_buckets, local_tensor
 
 logger = logging.getLogger(__name__)
 
 BUCKET_BYTES = 25 * 1024 * 1024
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+"""The cross-group average's flat buckets: at most this many bytes of one dtype each."""
 
 
 class ReplicaGroups:
@@ -121,32 +118,35 @@ class ReplicaGroups:
         in the step; this group's own if the collective fails (a group just died)."""
         total = values.detach().clone()
         try:
-            opts = AllreduceOptions()
-            opts.reduceOp = dist.ReduceOp.SUM
-            self.pg.allreduce([total], opts).wait()
+            self._sum(total).wait()
         except Exception:  # noqa: BLE001 - torchft's process group raises anything
             return values
         return total / self.participants()
 
-    def average_gradients(self, grads: Sequence[torch.Tensor]) -> None:
-        """Each local gradient summed across the participating groups (flat buckets of one
-        dtype, all in flight at once) and divided by their number; a group healing this step
-        contributes zeros. An error (a group gone) is swallowed: the step will not commit."""
+    def _sum(self, tensor: torch.Tensor) -> Any:
+        """Start summing ``tensor`` in place across the groups (the process group's Work)."""
+        opts = AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        return self.pg.allreduce([tensor], opts)
+
+    def average_gradients(self, params: Sequence[torch.Tensor]) -> None:
+        """Each local gradient of ``params`` summed across the participating groups (flat
+        buckets of one dtype, all in flight at once) and divided by their number; a group
+        healing this step contributes zeros. An error (a group gone) is swallowed: the step
+        will not commit."""
         manager = self.manager
         if manager.errored() is not None:
             return
         n = manager.num_participants()
-        local = [_local(g) for g in grads]
+        local = [local_tensor(p.grad) for p in params if p.grad is not None]
         if not manager.is_participating():
             for g in local:
                 g.zero_()
         pending = []
-        for bucket in _flat_buckets(local):
+        for bucket in flat_buckets(local, BUCKET_BYTES):
             flat = torch.cat([g.reshape(-1) for g in bucket])
             try:
-                opts = AllreduceOptions()
-                opts.reduceOp = dist.ReduceOp.SUM
-                pending.append((bucket, flat, self.pg.allreduce([flat], opts)))
+                pending.append((bucket, flat, self._sum(flat)))
             except Exception as e:  # noqa: BLE001 - torchft's process group raises anything
                 manager.report_error(e)
                 return
@@ -173,19 +173,6 @@ class ReplicaGroups:
         self.manager.shutdown(wait=False)
 
 
-def _flat_buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    buckets: list[list[torch.Tensor]] = []
-    size = 0
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if not buckets or size + nbytes > BUCKET_BYTES or buckets[-1][0].dtype != t.dtype:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(t)
-        size += nbytes
-    return buckets
-
-
 def _group_store(world_size: int) -> tuple[str, int, Any]:
     """The address of this group's TCPStore, which the Manager joins: torchrun's (its
     rendezvous store), or for a group of one process without torchrun a store of its own."""
@@ -209,12 +196,12 @@ def heal_state(
     state: dict[str, Any] = {"counters": counters()}
     for i, part in enumerate(parts):
         for name, tensor in [*part.named_parameters(), *part.named_buffers()]:
-            state[f"model.{i}.{name}"] = _local(tensor.detach())
+            state[f"model.{i}.{name}"] = local_tensor(tensor.detach())
     for j, optimizer in enumerate(optimizers):
         for index, param in enumerate(_params(optimizer)):
             for key, value in optimizer.state.get(param, {}).items():
                 if isinstance(value, torch.Tensor):
-                    state[f"optim.{j}.{index}.{key}"] = _local(value)
+                    state[f"optim.{j}.{index}.{key}"] = local_tensor(value)
     for j, scheduler in enumerate(schedulers):
         state[f"schedule.{j}"] = scheduler.state_dict()
     return state
@@ -234,7 +221,7 @@ def load_heal_state(
     with torch.no_grad():
         for i, part in enumerate(parts):
             for name, tensor in [*part.named_parameters(), *part.named_buffers()]:
-                _local(tensor.detach()).copy_(state[f"model.{i}.{name}"])
+                local_tensor(tensor.detach()).copy_(state[f"model.{i}.{name}"])
         for j, optimizer in enumerate(optimizers):
             params = _params(optimizer)
             if any(p not in optimizer.state for p in params):
@@ -244,7 +231,7 @@ def load_heal_state(
             for index, param in enumerate(params):
                 for key, value in optimizer.state[param].items():
                     if isinstance(value, torch.Tensor):
-                        _local(value).copy_(state[f"optim.{j}.{index}.{key}"])
+                        local_tensor(value).copy_(state[f"optim.{j}.{index}.{key}"])
     for j, scheduler in enumerate(schedulers):
         scheduler.load_state_dict(state[f"schedule.{j}"])
         # The state says where the schedule is; the rate the optimizer steps with is in its
@@ -275,7 +262,7 @@ class Solo:
     def mean_over_groups(self, values: torch.Tensor) -> torch.Tensor:
         return values
 
-    def average_gradients(self, grads: Sequence[torch.Tensor]) -> None:
+    def average_gradients(self, params: Sequence[torch.Tensor]) -> None:
         pass
 
     def should_commit(self) -> bool:

@@ -36,7 +36,7 @@ def all_reduce_after_backward(
     """Sum (then divide) gradients over ``group`` once backward is over, in flat buckets of
     at most 25 MiB of one dtype: for what the engine does not overlap with backward."""
     local = [local_tensor(g) for g in grads]
-    for bucket in _flat_buckets(local, 25 * _MIB):
+    for bucket in flat_buckets(local, 25 * _MIB):
         flat = torch.cat([g.reshape(-1) for g in bucket])
         dist.all_reduce(flat, dist.ReduceOp.SUM, group=group)
         if divide_by != 1:
@@ -45,7 +45,7 @@ def all_reduce_after_backward(
             g.copy_(piece.view_as(g))
 
 
-def _flat_buckets(tensors: list[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
+def flat_buckets(tensors: list[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
     """Consecutive groups of same-dtype tensors of at most ``cap_bytes`` each."""
     buckets: list[list[torch.Tensor]] = []
     size = 0

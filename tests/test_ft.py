@@ -47,6 +47,7 @@ def errors(output: str) -> list[str]:
 
 # ---------------------------------------------------------------------------- bad input
 LIGHTHOUSE = "--fault_tolerance.lighthouse http://127.0.0.1:1"  # never reached: refused first
+DILOCO = "--fault_tolerance.semi_sync_method diloco --fault_tolerance.sync_steps 4"
 
 
 @pytest.mark.parametrize(
@@ -61,8 +62,31 @@ LIGHTHOUSE = "--fault_tolerance.lighthouse http://127.0.0.1:1"  # never reached:
             f"--fault_tolerance.group_size 2 --fault_tolerance.replica_id -1 {LIGHTHOUSE}",
             "fault_tolerance.replica_id",
         ),
+        (
+            f"--fault_tolerance.group_size 2 {LIGHTHOUSE} {DILOCO} "
+            "--fault_tolerance.num_fragments 3",
+            "fault_tolerance.num_fragments",
+        ),
+        (
+            f"--fault_tolerance.group_size 2 {LIGHTHOUSE} {DILOCO} "
+            "--fault_tolerance.num_fragments 2 --fault_tolerance.fragment_sync_delay 2",
+            "fault_tolerance.fragment_sync_delay",
+        ),
+        (
+            f"--fault_tolerance.group_size 2 {LIGHTHOUSE} {DILOCO} "
+            "--fault_tolerance.num_fragments 2 --fault_tolerance.fragment_sync_delay 1 "
+            "--checkpoint.enable true --training.steps 3",
+            "fault_tolerance: training.steps = 3 ends while a fragment is in flight",
+        ),
     ],
-    ids=["no-lighthouse", "replica_id=group_size", "negative-replica_id"],
+    ids=[
+        "no-lighthouse",
+        "replica_id=group_size",
+        "negative-replica_id",
+        "fragments-not-dividing",
+        "delay-not-below-period",
+        "ends-in-flight",
+    ],
 )
 def test_bad_input_is_one_line_and_exit_2_before_anything_starts(tmp_path, args, key):
     out = str(tmp_path / "out")

@@ -124,8 +124,23 @@ def relative(a: float, b: float) -> float:
                 "2",
             ],
         ),
+        (
+            2,
+            ["--parallelism.pipeline_parallel_degree", "2"],
+            [
+                "--parallelism.data_parallel_replicate_degree",
+                "2",
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+            ],
+        ),
     ],
-    ids=["2 groups x 1 = ddp 2", "2 groups x dp_shard 2 = dp_shard 4", "2 groups x tp 2"],
+    ids=[
+        "2 groups x 1 = ddp 2",
+        "2 groups x dp_shard 2 = dp_shard 4",
+        "2 groups x tp 2",
+        "2 groups x pp 2",
+    ],
 )
 def test_two_groups_train_as_one_job_of_the_same_degree(
     ngpu: int, inside: list[str], job: list[str], tmp_path: Path

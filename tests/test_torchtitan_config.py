@@ -344,7 +344,7 @@ def test_without_tokenizer_the_vocabulary_follows_titanlite_default() -> None:
         ('[model]\nconverters = ["quantize.linear.mx"]\n', "model.converters"),
         ('[optimizer]\nname = "Adam"\n', "optimizer.name"),
         ('[checkpoint]\ninitial_load_path = "/ckpt/step-100"\n', "checkpoint.initial_load_path"),
-        ('[fault_tolerance]\nsemi_sync_method = "diloco"\n', "fault_tolerance.semi_sync_method"),
+        ('[experimental]\ncustom_import = "my.module"\n', "experimental.custom_import"),
         ('[training]\ndataset = "my_registered_set"\n', "training.dataset"),
     ],
 )

@@ -151,22 +151,20 @@ class Trainer:
             DTYPES[t.mixed_precision_param],
         )
         if self.dist.is_main:
-            facts = run_info.RunFacts(
-                model_name=self.spec.name,
-                flavor=cfg.model.flavor,
+            facts = run_info.RunFacts.of(
+                cfg,
+                self.spec.name,
+                self.model_args,
                 num_params=num_params,
                 active_params=self.active_params,
                 world_size=self.dist.world_size,
                 degrees=degrees,
                 global_batch_size=self.global_batch,
                 gradient_accumulation_steps=self.accum_steps,
-                seq_len=t.seq_len,
                 throughput=throughput,
-                model_args=asdict(self.model_args),
                 tokenizer=self.tokenizer.path.as_posix(),
                 init=self.model.materialize_stats,
                 optimizer_groups=groups,
-                converters=list(cfg.model.converters),
             )
             run_info.write_run_files(self.dump_folder, to_toml(cfg), facts)
         self.metrics = run_info.metrics_logger(cfg, self.dump_folder, self.dist.is_main)
@@ -191,19 +189,30 @@ class Trainer:
 
         # 6. Checkpoints: everything resumable, registered once; resume exactly where the
         # latest complete checkpoint left off.
-        renames = [tied_copy(part, self.spec, self.model_args) for part in self.model.parts]
-        self.ema = WeightAverage.of(
-            self.model.parts, t.ema_decay, renames
-        )  # titanlite/training/ema.py
-        states = build_states(
-            self.model.parts,
-            self.optimizers,
-            self.lr_schedulers,
-            self.data.loader,
-            train_state=self.state,
-            renames=renames,
-            ema=self.ema,
+        # Replica groups (fault_tolerance: titanlite/ft/): the quorum, the gradient average
+        # across groups, the commit, and the state a group coming back heals from.
+        self.replicas = ft_replicas.join(
+            cfg.fault_tolerance,
+            self.dist,
+            parts=self.model.parts,
+            optimizers=self.optimizers,
+            schedulers=self.lr_schedulers,
+            counters=self.state,
         )
+        renames = [tied_copy(part, self.spec, self.model_args) for part in self.model.parts]
+        self.ema = WeightAverage.of(self.model.parts, t.ema_decay, renames)  # training/ema.py
+        states = (
+            build_states(
+                self.model.parts,
+                self.optimizers,
+                self.lr_schedulers,
+                self.data.loader,
+                train_state=self.state,
+                renames=renames,
+                ema=self.ema,
+            )
+            | self.replicas.checkpoint_states()
+        )  # DiLoCo's outer state
         self.checkpointer = Checkpointer(
             states,
             c,
@@ -221,20 +230,9 @@ class Trainer:
                 f"resumed from checkpoint at step {self.state.step}",
             )
         self.train_iter = iter(self.data.loader)
-        # Replica groups (fault_tolerance: titanlite/ft/): the quorum, the gradient average
-        # across groups, the commit, and the state a group coming back heals from.
-        self.replicas = ft_replicas.join(
-            cfg.fault_tolerance,
-            rank=self.dist.rank,
-            world_size=self.dist.world_size,
-            parts=self.model.parts,
-            optimizers=self.optimizers,
-            schedulers=self.lr_schedulers,
-            counters=self.state.state_dict,
-            set_counters=self.state.load_state_dict,
-        )
         self.replicas.set_step(self.state.step)
         self.retry: list | None = None  # batches of a step the groups did not commit
+        self.save_held = False  # a save due while DiLoCo could not take one
         self.startup.mark("checkpoint")
 
     # ------------------------------------------------------------------ the loop
@@ -312,17 +310,21 @@ class Trainer:
             if scorer is not None and scorer.due(step, last):
                 scorer.validate(self.model, step, self.metrics)
         stop, timed_save = self.vote.read()
-        if stop:  # a preemption or Ctrl-C: save this step, then exit 75 or 130
+        due = self.checkpointer.should_save(step, last=last) or timed_save or self.save_held
+        # DiLoCo: no checkpoint while a fragment is in flight; a save or a stop waits for it.
+        self.save_held = not self.replicas.can_save()
+        if stop and not self.save_held:  # a preemption or Ctrl-C: save, then exit 75 or 130
             if self.cfg.checkpoint.enable:
                 self.health.before_save(step)  # nothing from a corrupt rank is saved
                 self.checkpointer.save(step, force_sync=True)
             raise self.vote.stopped(step, saved=self.cfg.checkpoint.enable)
-        if self.checkpointer.should_save(step, last=last) or timed_save:
+        if due and not self.save_held:
             if timed_save:
                 logger.info("saving at step %d: checkpoint.interval_minutes passed", step)
             self.health.before_save(step)
             self.checkpointer.save(step, last=last)
             self.vote.saved()
+        self.save_held = due and self.save_held
         self.vote.start()
         self.checkpointer.poll()
 

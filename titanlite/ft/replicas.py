@@ -30,7 +30,8 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllreduceOptions
 
 from titanlite.errors import UserError
-from titanlite.ft.settings import FaultTolerance, lighthouse_address
+from titanlite.ft.diloco import SemiSync
+from titanlite.ft.settings import FaultTolerance, lighthouse_address, semi_sync
 from titanlite.parallel.ddp.collectives import flat_buckets, local_tensor
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,8 @@ class ReplicaGroups:
         world_size: int,
         state: Callable[[], dict[str, Any]],
         load_state: Callable[[dict[str, Any]], None],
+        parts: Sequence[torch.nn.Module] = (),
+        optimizers: Sequence[torch.optim.Optimizer] = (),
     ) -> None:
         # torchft logs every quorum and commit at INFO (its Rust side reads RUST_LOG once,
         # at import): titanlite's own lines say what a user needs.
@@ -94,28 +97,52 @@ class ReplicaGroups:
                     "--min_replicas N, or scripts/ft_local.sh)"
                 ) from None
             raise
+        self.semi_loaded = False
+        self.bytes_sent = 0  # across groups, by this rank (the gradient averages)
+        semi = semi_sync(settings)
+        self.semi: SemiSync | None = None
+        if semi is not None:
+            self.semi = SemiSync(self.manager, semi, parts[0], optimizers[0])
         logger.info(
-            "fault tolerance: replica group %d of %d, lighthouse %s",
+            "fault tolerance: replica group %d of %d, lighthouse %s%s",
             settings.replica_id,
             settings.group_size,
             lighthouse,
+            f", {settings.semi_sync_method} every {settings.sync_steps} steps"
+            + (f" in {semi.num_fragments} fragments" if semi and semi.num_fragments > 1 else "")
+            if semi
+            else "",
         )
+        if semi is not None and semi.should_quantize and not torch.cuda.is_available():
+            logger.warning(
+                "fault_tolerance.should_quantize: torchft quantizes on a GPU only; on this "
+                "machine the pseudo-gradients go unquantized"
+            )
 
     # ------------------------------------------------------------------ a step
     def start_step(self) -> None:
-        """The quorum of this step; a group that was away is healed before this returns."""
-        self.manager.start_quorum()
+        """The quorum of this step; a group that was away is healed before this returns.
+        (DiLoCo: the quorum of a synchronization, in the optimizer's step.)"""
+        if self.semi is None:
+            self.manager.start_quorum()
 
     def participants(self) -> int:
         return self.manager.num_participants()
 
     def metrics(self) -> dict[str, float]:
-        """For a logged record: how many groups took part in the step."""
-        return {"replicas": float(self.participants())}
+        """For a logged record: how many groups took part in the step (DiLoCo: in the latest
+        synchronization) and the MiB this rank has sent across groups so far."""
+        sent = self.semi.bytes_sent if self.semi is not None else self.bytes_sent
+        groups = self.participants()  # (0 before DiLoCo's first synchronization: none yet)
+        counted = {"replicas": float(groups)} if groups else {}
+        return counted | {"replica_sent_mib": sent / 2**20}
 
     def mean_over_groups(self, values: torch.Tensor) -> torch.Tensor:
         """The mean of ``values`` (a logged step's loss terms) over the groups that took part
-        in the step; this group's own if the collective fails (a group just died)."""
+        in the step; this group's own if the collective fails (a group just died), and under
+        DiLoCo, whose groups exchange nothing between synchronizations."""
+        if self.semi is not None:
+            return values
         total = values.detach().clone()
         try:
             self._sum(total).wait()
@@ -133,9 +160,9 @@ class ReplicaGroups:
         """Each local gradient of ``params`` summed across the participating groups (flat
         buckets of one dtype, all in flight at once) and divided by their number; a group
         healing this step contributes zeros. An error (a group gone) is swallowed: the step
-        will not commit."""
+        will not commit. (DiLoCo: nothing, the groups step on their own.)"""
         manager = self.manager
-        if manager.errored() is not None:
+        if self.semi is not None or manager.errored() is not None:
             return
         n = manager.num_participants()
         local = [local_tensor(p.grad) for p in params if p.grad is not None]
@@ -145,6 +172,7 @@ class ReplicaGroups:
         pending = []
         for bucket in flat_buckets(local, BUCKET_BYTES):
             flat = torch.cat([g.reshape(-1) for g in bucket])
+            self.bytes_sent += flat.nbytes
             try:
                 pending.append((bucket, flat, self._sum(flat)))
             except Exception as e:  # noqa: BLE001 - torchft's process group raises anything
@@ -162,15 +190,49 @@ class ReplicaGroups:
 
     def should_commit(self) -> bool:
         """Whether every participating group got through the step (then the optimizer steps);
-        the same answer on every rank of this group."""
-        return self.manager.should_commit()
+        the same answer on every rank of this group. (DiLoCo: every inner step counts; a
+        synchronization that fails is undone inside torchft.)"""
+        return True if self.semi is not None else self.manager.should_commit()
 
     def set_step(self, step: int) -> None:
-        """The committed step after a resume from this group's own checkpoint."""
-        self.manager.load_state_dict({"step": step, "batches_committed": 0})
+        """The committed step after a resume from this group's own checkpoint (DiLoCo: its
+        synchronizations, restored with its state, or none in a checkpoint without it)."""
+        if self.semi is None:
+            self.manager.load_state_dict({"step": step, "batches_committed": 0})
+        elif not self.semi_loaded:
+            self.semi.restart_from_weights()
+
+    def can_save(self) -> bool:
+        """Whether a checkpoint may be taken after this step (not while a fragment's exchange
+        is in flight)."""
+        return self.semi is None or not self.semi.in_flight()
+
+    def checkpoint_states(self) -> dict[str, Any]:
+        """What a checkpoint adds under its own key: DiLoCo's state (ft/diloco.py)."""
+        return {"diloco": _SemiSyncState(self)} if self.semi is not None else {}
 
     def close(self) -> None:
+        if self.semi is not None:
+            self.semi.close()
         self.manager.shutdown(wait=False)
+
+
+class _SemiSyncState:
+    """DiLoCo's checkpoint entry ("diloco"): absent from a checkpoint of a run without it,
+    then the global parameters start from the loaded weights."""
+
+    partial_ok = True
+
+    def __init__(self, groups: ReplicaGroups) -> None:
+        self.groups = groups
+
+    def state_dict(self) -> dict[str, Any]:
+        assert self.groups.semi is not None
+        return self.groups.semi.checkpoint_state()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        assert self.groups.semi is not None
+        self.groups.semi_loaded = self.groups.semi.load_checkpoint_state(state)
 
 
 def _group_store(world_size: int) -> tuple[str, int, Any]:
@@ -271,30 +333,38 @@ class Solo:
     def set_step(self, step: int) -> None:
         pass
 
+    def can_save(self) -> bool:
+        return True
+
+    def checkpoint_states(self) -> dict[str, Any]:
+        return {}
+
     def close(self) -> None:
         pass
 
 
 def join(
     settings: FaultTolerance,
+    dist_info: Any,
     *,
-    rank: int,
-    world_size: int,
     parts: Sequence[torch.nn.Module],
     optimizers: Sequence[torch.optim.Optimizer],
     schedulers: Sequence[Any],
-    counters: Callable[[], dict[str, int]],
-    set_counters: Callable[[dict[str, int]], None],
+    counters: Any,
 ) -> ReplicaGroups | Solo:
-    """This rank's replica groups (or ``Solo`` without fault tolerance)."""
+    """This rank's replica groups (or ``Solo`` without fault tolerance). ``dist_info``: the
+    run's process facts (rank, world_size); ``counters``: the train state (step, tokens),
+    a Stateful that a heal overwrites."""
     if not settings.enable:
         return Solo()
     return ReplicaGroups(
         settings,
-        rank=rank,
-        world_size=world_size,
-        state=lambda: heal_state(parts, optimizers, schedulers, counters),
+        rank=dist_info.rank,
+        world_size=dist_info.world_size,
+        state=lambda: heal_state(parts, optimizers, schedulers, counters.state_dict),
         load_state=lambda state: load_heal_state(
-            state, parts, optimizers, schedulers, set_counters=set_counters
+            state, parts, optimizers, schedulers, set_counters=counters.load_state_dict
         ),
+        parts=parts,
+        optimizers=optimizers,
     )

@@ -3,6 +3,7 @@ Python: torchft is only looked for, not imported."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -41,18 +42,44 @@ class FaultTolerance:
     """How long a step waits for the quorum (the lighthouse's answer) before the run stops
     with exit status 4."""
     semi_sync_method: Literal["", "diloco", "local_sgd"] = ""
-    """"" = gradients averaged across groups every step; diloco and local_sgd are not in
-    titanlite yet (refused)."""
+    """"" = gradients averaged across groups at every step; "diloco" = each group takes
+    sync_steps steps of its own, then the groups average how far they moved and an outer
+    optimizer (SGD, Nesterov momentum) applies it (Streaming DiLoCo with num_fragments > 1);
+    "local_sgd" = the groups average their weights every sync_steps steps (DiLoCo with
+    outer_lr 1 and no momentum). docs/fault_tolerance.md says which to choose."""
     sync_steps: int = 5
-    """(semi_sync_method) inner steps between synchronizations."""
+    """(semi_sync_method) inner steps between two synchronizations of the whole model."""
     num_fragments: int = 1
-    """(semi_sync_method = diloco) fragments synchronized at staggered steps."""
+    """(semi_sync_method = diloco) fragments of consecutive blocks, synchronized one at a
+    time every sync_steps / num_fragments steps (Streaming DiLoCo); must divide sync_steps."""
     fragment_sync_delay: int = 0
-    """(semi_sync_method = diloco) steps a fragment's synchronization may lag."""
+    """(semi_sync_method = diloco) steps a fragment's exchange overlaps: it is sent this many
+    steps before it is applied (less than sync_steps / num_fragments)."""
     fragment_update_alpha: float = 0.0
-    """(semi_sync_method = diloco) weight of the local parameters in a fragment's merge."""
+    """(semi_sync_method = diloco) weight of a group's own parameters when a fragment is
+    merged after a synchronization (0 = take the global ones)."""
     should_quantize: bool = False
-    """(semi_sync_method = diloco) quantize the exchanged pseudo-gradients."""
+    """(semi_sync_method = diloco) exchange the pseudo-gradients in 8 bits (torchft; needs a
+    GPU with triton, ignored on the CPU)."""
+    outer_lr: float = 0.7
+    """(semi_sync_method = diloco) the outer optimizer's learning rate."""
+    outer_momentum: float = 0.9
+    """(semi_sync_method = diloco) the outer optimizer's Nesterov momentum (0 = none)."""
+
+
+def semi_sync(settings: FaultTolerance) -> FaultTolerance | None:
+    """The settings DiLoCo runs with (local_sgd is DiLoCo with outer_lr 1 and no momentum),
+    or None when gradients are averaged at every step."""
+    if not settings.enable or not settings.semi_sync_method:
+        return None
+    if settings.semi_sync_method == "local_sgd":
+        return dataclasses.replace(settings, outer_lr=1.0, outer_momentum=0.0, num_fragments=1)
+    return settings
+
+
+def sync_period(settings: FaultTolerance) -> int:
+    """Inner steps between two fragment synchronizations."""
+    return settings.sync_steps // max(settings.num_fragments, 1)
 
 
 def group_folder(settings: FaultTolerance, dump_folder: str) -> str:
@@ -103,10 +130,7 @@ def check(cfg: Any, problems: Any) -> None:
     if not f.quorum_timeout_s > 0:
         problems.add("fault_tolerance.quorum_timeout_s: must be > 0")
     if f.semi_sync_method:
-        problems.add(
-            f"fault_tolerance.semi_sync_method {f.semi_sync_method!r}: titanlite has no "
-            'semi-synchronous training yet; leave it "" (gradients averaged every step)'
-        )
+        _check_semi_sync(f, problems)
     if not lighthouse_address(f):
         problems.add(
             "fault_tolerance.lighthouse: no lighthouse address (set it, or "
@@ -119,22 +143,56 @@ def check(cfg: Any, problems: Any) -> None:
         )
 
 
+def _check_semi_sync(f: FaultTolerance, problems: Any) -> None:
+    if f.sync_steps < 1:
+        problems.add(f"fault_tolerance.sync_steps: must be at least 1, got {f.sync_steps!r}")
+        return
+    if f.num_fragments < 1 or f.sync_steps % f.num_fragments:
+        problems.add(
+            f"fault_tolerance.num_fragments: must divide sync_steps = {f.sync_steps}, got "
+            f"{f.num_fragments!r}"
+        )
+        return
+    if f.semi_sync_method == "local_sgd" and f.num_fragments != 1:
+        problems.add("fault_tolerance.num_fragments: local_sgd synchronizes the whole model; use 1")
+    if not 0 <= f.fragment_sync_delay < sync_period(f):
+        problems.add(
+            "fault_tolerance.fragment_sync_delay: must be in [0, sync_steps / num_fragments = "
+            f"{sync_period(f)}), got {f.fragment_sync_delay!r}"
+        )
+    if not 0 <= f.fragment_update_alpha <= 1:
+        problems.add("fault_tolerance.fragment_update_alpha: must be in [0, 1]")
+    if not f.outer_lr > 0:
+        problems.add("fault_tolerance.outer_lr: must be > 0")
+    if not 0 <= f.outer_momentum < 1:
+        problems.add("fault_tolerance.outer_momentum: must be in [0, 1)")
+
+
 def rules(run: PlannedRun) -> list[str]:
     """What replica groups cannot take yet: each is a decision every group must make alike,
     which today each group would make from its own batch alone."""
     f, d, lines = run.cfg.fault_tolerance, run.degrees, []
     if not f.enable:
         return lines
-    if d is not None and d.pp > 1:
+    if d is not None and d.pp > 1 and f.semi_sync_method:
         lines.append(
-            "fault_tolerance: replica groups do not combine with pipeline parallelism yet; "
-            "set parallelism.pipeline_parallel_degree to 1"
+            "fault_tolerance: DiLoCo takes one optimizer, and pipeline parallelism gives each "
+            "stage its own; set parallelism.pipeline_parallel_degree to 1 with semi_sync_method"
         )
     if run.cfg.training.skip_spikes:
         lines.append(
             "fault_tolerance: training.skip_spikes would decide from each group's own loss "
             "(the groups would part ways); leave it empty with replica groups"
         )
+    semi = semi_sync(f)
+    if semi is not None and semi.fragment_sync_delay > 0 and run.cfg.checkpoint.enable:
+        period, delay, steps = sync_period(semi), semi.fragment_sync_delay, run.cfg.training.steps
+        if steps % period >= period - delay:
+            lines.append(
+                f"fault_tolerance: training.steps = {steps} ends while a fragment is in flight "
+                f"(the last {delay} of every {period} steps: fragment_sync_delay), where no "
+                "checkpoint can be taken; end the run at another step"
+            )
     if getattr(run.args, "bias_update_rate", 0) > 0:
         lines.append(
             "fault_tolerance: the routing bias moves with each group's own expert loads (the "

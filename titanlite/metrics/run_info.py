@@ -104,6 +104,18 @@ class RunFacts:
     optimizer_groups: list[ParamGroup] = field(default_factory=list)
     converters: list[str] = field(default_factory=list)
 
+    @classmethod
+    def of(cls, cfg: Any, model_name: str, model_args: Any, **facts: Any) -> RunFacts:
+        """The facts the config and the model's arguments give, and ``facts``."""
+        return cls(
+            model_name=model_name,
+            flavor=cfg.model.flavor,
+            seq_len=cfg.training.seq_len,
+            model_args=asdict(model_args),
+            converters=list(cfg.model.converters),
+            **facts,
+        )
+
     def as_json(self) -> dict[str, Any]:
         t = self.throughput
         return {

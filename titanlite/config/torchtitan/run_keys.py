@@ -171,6 +171,7 @@ def run_rules() -> dict[str, Rule]:
                     "min_replica_size",
                     "process_group",
                     "process_group_timeout_ms",
+                    "semi_sync_method",
                     "sync_steps",
                     "num_fragments",
                     "fragment_sync_delay",
@@ -179,10 +180,8 @@ def run_rules() -> dict[str, Rule]:
                 )
             )
         ),
-        "fault_tolerance.semi_sync_method": Rule(
-            note="titanlite has no semi-synchronous training yet (diloco, local_sgd)",
-            inert=("",),
-            blocks=True,
+        "fault_tolerance.module_fqns_per_model_fragment": Rule(
+            note="titanlite cuts the fragments itself: consecutive blocks, equal in bytes"
         ),
         "fault_tolerance.*": Rule(
             note="TorchTitan's fault-tolerance settings titanlite has none of"

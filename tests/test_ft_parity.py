@@ -116,6 +116,11 @@ def relative(a: float, b: float) -> float:
         ),
         (
             2,
+            ["--parallelism.data_parallel_replicate_degree", "2"],
+            ["--parallelism.data_parallel_replicate_degree", "4"],
+        ),
+        (
+            2,
             ["--parallelism.tensor_parallel_degree", "2"],
             [
                 "--parallelism.data_parallel_replicate_degree",
@@ -138,6 +143,7 @@ def relative(a: float, b: float) -> float:
     ids=[
         "2 groups x 1 = ddp 2",
         "2 groups x dp_shard 2 = dp_shard 4",
+        "2 groups x ddp 2 = ddp 4",
         "2 groups x tp 2",
         "2 groups x pp 2",
     ],

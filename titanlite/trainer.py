@@ -194,7 +194,7 @@ class Trainer:
         self.replicas = ft_replicas.join(
             cfg.fault_tolerance,
             self.dist,
-            parts=self.model.parts,
+            model=self.model,
             optimizers=self.optimizers,
             schedulers=self.lr_schedulers,
             counters=self.state,

@@ -31,6 +31,7 @@ from torch.distributed.distributed_c10d import AllreduceOptions
 
 from titanlite.errors import UserError
 from titanlite.ft.diloco import SemiSync
+from titanlite.ft.overlap import CrossGroupAverage
 from titanlite.ft.settings import FaultTolerance, lighthouse_address, semi_sync
 from titanlite.parallel.ddp.collectives import flat_buckets, local_tensor
 
@@ -98,6 +99,7 @@ class ReplicaGroups:
                 ) from None
             raise
         self.semi_loaded = False
+        self.inside: CrossGroupAverage | None = None  # the average inside backward (attach)
         self.bytes_sent = 0  # across groups, by this rank (the gradient averages)
         semi = semi_sync(settings)
         self.semi: SemiSync | None = None
@@ -132,7 +134,7 @@ class ReplicaGroups:
     def metrics(self) -> dict[str, float]:
         """For a logged record: how many groups took part in the step (DiLoCo: in the latest
         synchronization) and the MiB this rank has sent across groups so far."""
-        sent = self.semi.bytes_sent if self.semi is not None else self.bytes_sent
+        sent = self.bytes_sent + sum(h.bytes_sent for h in (self.semi, self.inside) if h)
         groups = self.participants()  # (0 before DiLoCo's first synchronization: none yet)
         counted = {"replicas": float(groups)} if groups else {}
         return counted | {"replica_sent_mib": sent / 2**20}
@@ -156,13 +158,21 @@ class ReplicaGroups:
         opts.reduceOp = dist.ReduceOp.SUM
         return self.pg.allreduce([tensor], opts)
 
+    def attach(self, model: Any) -> None:
+        """Average across groups inside backward (ft/overlap.py) where the group's layout has a
+        data-parallel reduction to follow; otherwise ``average_gradients`` does it after."""
+        if self.semi is None:
+            self.inside = CrossGroupAverage(self.manager, self.pg)
+            if not self.inside.attach(model.modules, model.parts):
+                self.inside = None
+
     def average_gradients(self, params: Sequence[torch.Tensor]) -> None:
         """Each local gradient of ``params`` summed across the participating groups (flat
         buckets of one dtype, all in flight at once) and divided by their number; a group
         healing this step contributes zeros. An error (a group gone) is swallowed: the step
         will not commit. (DiLoCo: nothing, the groups step on their own.)"""
         manager = self.manager
-        if self.semi is not None or manager.errored() is not None:
+        if self.semi or self.inside or manager.errored() is not None:
             return
         n = manager.num_participants()
         local = [local_tensor(p.grad) for p in params if p.grad is not None]
@@ -324,6 +334,9 @@ class Solo:
     def mean_over_groups(self, values: torch.Tensor) -> torch.Tensor:
         return values
 
+    def attach(self, model: Any) -> None:
+        pass
+
     def average_gradients(self, params: Sequence[torch.Tensor]) -> None:
         pass
 
@@ -347,17 +360,19 @@ def join(
     settings: FaultTolerance,
     dist_info: Any,
     *,
-    parts: Sequence[torch.nn.Module],
+    model: Any,
     optimizers: Sequence[torch.optim.Optimizer],
     schedulers: Sequence[Any],
     counters: Any,
 ) -> ReplicaGroups | Solo:
     """This rank's replica groups (or ``Solo`` without fault tolerance). ``dist_info``: the
-    run's process facts (rank, world_size); ``counters``: the train state (step, tokens),
-    a Stateful that a heal overwrites."""
+    run's process facts (rank, world_size); ``model``: the ParallelModel (its parts, and the
+    modules whose hooks take the average inside backward); ``counters``: the train state
+    (step, tokens), a Stateful that a heal overwrites."""
     if not settings.enable:
         return Solo()
-    return ReplicaGroups(
+    parts = model.parts
+    groups = ReplicaGroups(
         settings,
         rank=dist_info.rank,
         world_size=dist_info.world_size,
@@ -368,3 +383,5 @@ def join(
         parts=parts,
         optimizers=optimizers,
     )
+    groups.attach(model)
+    return groups

@@ -163,6 +163,11 @@ class BucketedDDP(nn.Module):
         """Reduce each bucket with ``hook(state, bucket)`` (contract in comm_hooks.py)."""
         self._reducer.set_comm_hook(state, hook)
 
+    def keep_buckets(self) -> None:
+        """Never rebuild the buckets in the observed order: keep the first layout (replica
+        groups: a group that rejoins must pack its gradients as the others do)."""
+        self._reducer.record_order = False
+
     def last_iteration_stats(self) -> IterationStats | None:
         """Launch and completion times of each bucket in the last synchronised iteration."""
         return self._reducer.last_stats

@@ -20,7 +20,14 @@ checkpoints every P of up time from each start; a full restart ends every group'
 They agree within the Monte-Carlo's error while outages are short against the time between
 failures (the analytic is first order in their product; past that, trust the Monte-Carlo).
 Not modelled: correlated failures, survivors slowed by a heal, the smaller batch's effect,
-planned stops. Placeholders until measured: --startup-s, --pause-s, --heal-s. Exit 2: bad input.
+planned stops. Exit 2: bad input.
+
+Measured inputs (BENCHMARKS.md): --startup-s 16.9, titanlite's first step after the command
+(a 1B model, bf16, compiled, on an H100); --pause-s 1.8, a SIGKILLed group to the survivors'
+next committed step (tests/test_ft.py: 1.64-1.80 s, with the lighthouse's 2 s heartbeat timeout;
+a cluster's timeout is the knob); --heal-s 8, an 8B model's fp32 weights and AdamW state per
+rank of an 8-GPU group (11.2 GiB) at torchft's measured HTTP rate (1.5 GiB/s over loopback),
+plus the measured quorum (0.34 s).
 """
 
 from __future__ import annotations
@@ -63,12 +70,18 @@ class Inputs:
     failure_scale: float = _in(1.0, "multiplies the Llama 3 per-GPU failure rate")
     detect_s: float = _in(60.0, "from a fault to the launcher acting on it")
     restart_overhead_s: float = _in(300.0, "the scheduler's requeue of the whole job")
-    startup_s: float = _in(60.0, "PLACEHOLDER: titanlite's start-up to its first step")
+    startup_s: float = _in(
+        16.9, "titanlite's start-up to its first step (measured: a 1B model on an H100)"
+    )
     save_interval_min: float = _in(30.0, "training between two checkpoints")
     save_s: float = _in(1.0, "how long a save blocks training (async: the copy to host)")
-    pause_s: float = _in(10.0, "PLACEHOLDER: a group's loss to the others' next step")
+    pause_s: float = _in(
+        1.8, "a group's loss to the others' next step (measured: 2 s heartbeat timeout)"
+    )
     replace_s: float = _in(900.0, "a spare node running the failed group's command again")
-    heal_s: float = _in(30.0, "PLACEHOLDER: the returning group's heal from a live peer")
+    heal_s: float = _in(
+        8.0, "the returning group's heal from a live peer (from measured rates: 8B model)"
+    )
     full_fraction: float = _in(0.0, "replica groups: failures that still stop every group")
 
     @property
@@ -277,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sweep = sweeps(p, trials=args.trials, seed=args.seed)
     hours = 1 / (p.failures_per_s * 3600) if p.failures_per_s else math.inf
     print("inputs: " + ", ".join(f"{k}={v:g}" for k, v in asdict(p).items()))
-    print("  (startup_s, pause_s, heal_s: placeholders until measured)")
+    print("  (startup_s, pause_s, heal_s: from titanlite's measurements, see --help)")
     print(f"one failure every {hours:.1f} h; Monte-Carlo: {args.trials} runs, seed {args.seed}")
     tables = report(results, sweep).split("\n\n")
     print(f"\nGPU-hours lost per cause, of {p.gpus * p.days * 24:,.0f}:\n\n{tables[0]}\n")

@@ -59,14 +59,26 @@ def worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 CASES = {
+    # (DiLoCo settings, arguments of both runs, the layout inside each group and its
+    # processes, the step of a checkpoint to resume from)
     # DiLoCo: an outer step every 4 inner steps (AdamW inside); 10 steps, a checkpoint at
     # step 6, in the middle of the second outer step, to resume from.
-    "diloco H=4": (diloco(4), ["--training.steps", "10"], 6),
+    "diloco H=4": (diloco(4), ["--training.steps", "10"], [], 1, 6),
     # Streaming DiLoCo: 2 fragments, one synchronized every 2 steps, each sent 1 step early and
     # merged half and half; Muon inside.
     "streaming F=2 H=4 d=1 alpha=0.5, muon": (
         diloco(4, fragments=2, delay=1, alpha=0.5),
         ["--optimizer.name", "Muon", "--optimizer.lr", "0.02"],
+        [],
+        1,
+        0,
+    ),
+    # Tensor parallelism inside each group (its two ranks read what one process reads).
+    "streaming F=2 H=4, tp 2 inside": (
+        diloco(4, fragments=2),
+        [],
+        ["--parallelism.tensor_parallel_degree", "2"],
+        2,
         0,
     ),
 }
@@ -75,18 +87,19 @@ CASES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_groups_follow_the_algorithm_written_out_in_one_process(case: str, tmp_path: Path):
-    """2 groups of one process each: every group's loss at every step and its weights at the
-    end equal the one-process simulation's (<= 1e-6 relative); with a checkpoint in the middle
-    of an outer step, groups restarted from it (all of them, a full stop) train the rest of the
-    run to the same weights and losses as the run that went through."""
+    """2 groups: every group's loss at every step and its weights at the end equal the
+    one-process simulation's (<= 1e-6 relative); with a checkpoint in the middle of an outer
+    step, groups restarted from it (all of them, a full stop) train the rest of the run to the
+    same weights and losses as the run that went through."""
     import diloco_scenarios
     from pool import get_pool
 
-    settings, extra, save_at = CASES[case]
+    settings, extra, inside, ngpu, save_at = CASES[case]
     argv = [*SMALL, *extra]
     steps = int(argv[len(argv) - 1 - argv[::-1].index("--training.steps") + 1])
     checkpoint = ["--checkpoint.enable", "true", "--checkpoint.interval", str(save_at or steps)]
-    groups = run_groups(tmp_path, 2, 1, [*argv, *checkpoint, *ft_args(settings)])
+    group_argv = [*argv, *inside, *checkpoint, *ft_args(settings)]
+    groups = run_groups(tmp_path, 2, ngpu, group_argv)
     sim = get_pool(1).run(
         diloco_scenarios.simulate,
         argv=[*argv, "--job.dump_folder", str(tmp_path / "sim")],
@@ -103,7 +116,10 @@ def test_groups_follow_the_algorithm_written_out_in_one_process(case: str, tmp_p
         # Both groups took part in every synchronization (logged from the first one on).
         assert {r["replicas"] for r in logged if "replicas" in r} == {2}
     print(f"\n{case}: groups vs the algorithm in one process, max relative {found}")
-    assert all(v <= TOL for v in found.values()), found
+    # Tensor parallelism rounds its matmuls differently (~1e-7), which AdamW's normalized
+    # steps carry into the weights of near-zero gradients: tp 2 alone against one process
+    # (no groups, the same 8 steps) differs by 6.9e-6 in the weights, so 1e-5 here.
+    assert found["loss"] <= TOL and found["weights"] <= (1e-5 if inside else TOL), found
     if not save_at:
         return
 
@@ -112,7 +128,7 @@ def test_groups_follow_the_algorithm_written_out_in_one_process(case: str, tmp_p
     for g in range(2):
         src = tmp_path / "groups" / f"replica-{g}" / "checkpoint" / f"step-{save_at}"
         shutil.copytree(src, resumed / "groups" / f"replica-{g}" / "checkpoint" / src.name)
-    again = run_groups(resumed, 2, 1, [*argv, *checkpoint, *ft_args(settings)])
+    again = run_groups(resumed, 2, ngpu, group_argv)
     for g in range(2):
         logged = [r for r in again[g] if r["step"] > save_at]
         assert [r["step"] for r in logged] == list(range(save_at + 1, steps + 1))

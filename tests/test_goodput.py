@@ -109,6 +109,9 @@ class ScriptedRng:
         return next(self.draws)
 
 
+SCRIPTED = {"startup_s": 60.0, "pause_s": 10.0, "heal_s": 30.0}  # the timeline's round numbers
+
+
 def test_one_scripted_timeline_is_charged_exactly():
     # Two groups of 8, half the failures full. The run ends 0.5 s into its 47th save after the
     # restart. t=1000: group 0 fails (out 60+5000+60+30 s). t=2000: a full failure, 199 s after
@@ -117,7 +120,7 @@ def test_one_scripted_timeline_is_charged_exactly():
     # survivor to pause; t=7000 lands on group 0, still out: no failure. 5 s before the end:
     # group 1 once more.
     days = (2420 + 46 * 1801 + 1800.5) / 86_400
-    p = Inputs(gpus=16, group_gpus=8, days=days, replace_s=5000.0, full_fraction=0.5)
+    p = Inputs(gpus=16, group_gpus=8, days=days, replace_s=5000.0, full_fraction=0.5, **SCRIPTED)
     gaps = [1000.0, 1000.0, 3000.0, 1000.0, 1000.0, days * 86_400 - 5 - 7000, 1e12]
     rng = ScriptedRng(gaps, groups=[0, 1, 0, 1, 0, 1, 0], draws=[0.9, 0.1, 0.9, 0.9, 0.9])
     failures, gpu_s = goodput._one_run(p, goodput._shape(p, "replica_groups"), rng)
@@ -183,7 +186,7 @@ def test_the_command_prints_the_table_and_writes_json_and_png(tmp_path, capsys):
     argv = ["--trials", "20", "--heal-s", "45", "--json", str(out_json), "--plot", str(out_png)]
     assert goodput.main(argv) == 0
     stdout = capsys.readouterr().out
-    assert "heal_s=45" in stdout and "placeholders until measured" in stdout
+    assert "heal_s=45" in stdout and "from titanlite's measurements" in stdout
     assert "| full_restart | analytic |" in stdout and "| replica_groups | monte_carlo |" in stdout
     assert "| GPUs per replica group |" in stdout and "| failure rate" in stdout
     body = json.loads(out_json.read_text())

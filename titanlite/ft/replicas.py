@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -252,8 +253,11 @@ def _group_store(world_size: int) -> tuple[str, int, Any]:
         return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None
     if world_size != 1:
         raise UserError("fault_tolerance: a group of several processes must start under torchrun")
-    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
-    return "127.0.0.1", store.port, store
+    # It listens on every interface; the other groups (the cross-group process groups meet in
+    # the first group's store) reach it by this host's name, as torchft advertises its own.
+    host = socket.gethostname()
+    store = dist.TCPStore(host, 0, 1, is_master=True, wait_for_workers=False)
+    return host, store.port, store
 
 
 # ---------------------------------------------------------------------- the healing state

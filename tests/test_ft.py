@@ -375,11 +375,16 @@ def test_a_killed_group_heals_from_a_live_one_and_rejoins_while_the_others_train
     assert [r["step"] for r in first] == list(range(1, len(first) + 1))
     healed_at = last[0]["step"]
     assert [r["step"] for r in last] == list(range(healed_at, STEPS + 1))
-    train, _ = read_metrics(run.out / "replica-2")
+    records, _ = read_metrics(run.out / "replica-2")
+    train = [r for r in records if "loss" in r]
     # (the kill may fall between a step's trace record and its metrics line)
     logged = [[r["step"] for r in first + last], [r["step"] for r in first[:-1] + last]]
     assert [r["step"] for r in train] in logged
     assert all(r["replicas"] == 3 for r in train)
+    # The heal that went through is in the metrics: when, how long, how much state.
+    heals = [r for r in records if r.get("kind") == "heal"]
+    assert [r["step"] for r in heals] == [healed_at - 1], heals
+    assert heals[0]["heal_s"] > 0 and heals[0]["heal_mib"] > 0 and heals[0]["replicas"] == 3
 
     # Bitwise: every group holds the same parameters at every step it took part in, the
     # returning group from the start of its first step (the heal, before its forward).

@@ -198,6 +198,7 @@ class Trainer:
             optimizers=self.optimizers,
             schedulers=self.lr_schedulers,
             counters=self.state,
+            log=self.metrics.log,
         )
         renames = [tied_copy(part, self.spec, self.model_args) for part in self.model.parts]
         self.ema = WeightAverage.of(self.model.parts, t.ema_decay, renames)  # training/ema.py

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -32,6 +33,7 @@ from torch.distributed.distributed_c10d import AllreduceOptions
 
 from titanlite.errors import UserError
 from titanlite.ft.diloco import SemiSync
+from titanlite.ft.heal import heal_state, load_heal_state, state_bytes
 from titanlite.ft.overlap import CrossGroupAverage
 from titanlite.ft.settings import FaultTolerance, lighthouse_address, semi_sync
 from titanlite.parallel.ddp.collectives import flat_buckets, local_tensor
@@ -55,6 +57,7 @@ class ReplicaGroups:
         load_state: Callable[[dict[str, Any]], None],
         parts: Sequence[torch.nn.Module] = (),
         optimizers: Sequence[torch.optim.Optimizer] = (),
+        log: Callable[[dict[str, Any], str], None] | None = None,
     ) -> None:
         # torchft logs every quorum and commit at INFO (its Rust side reads RUST_LOG once,
         # at import): titanlite's own lines say what a user needs.
@@ -76,7 +79,7 @@ class ReplicaGroups:
         try:
             self.manager = torchft.Manager(
                 pg=self.pg,
-                load_state_dict=load_state,
+                load_state_dict=self._healing(load_state),
                 state_dict=state,
                 min_replica_size=settings.min_replica_size,
                 use_async_quorum=False,
@@ -99,7 +102,10 @@ class ReplicaGroups:
                     "--min_replicas N, or scripts/ft_local.sh)"
                 ) from None
             raise
+        self.healed: tuple[float, int] | None = None  # (load seconds, bytes) of a heal
         self.semi_loaded = False
+        self.log = log
+        self.counters_step: Callable[[], int] = lambda: 0  # the trainer's step (join sets it)
         self.inside: CrossGroupAverage | None = None  # the average inside backward (attach)
         self.bytes_sent = 0  # across groups, by this rank (the gradient averages)
         semi = semi_sync(settings)
@@ -123,11 +129,47 @@ class ReplicaGroups:
             )
 
     # ------------------------------------------------------------------ a step
+    def _healing(self, load: Callable[[dict[str, Any]], None]) -> Callable[[dict, Any], None]:
+        """``load`` (a live group's state into this one's tensors), timed and measured."""
+
+        def healing(state: dict[str, Any]) -> None:
+            start = time.perf_counter()
+            load(state)
+            self.healed = (time.perf_counter() - start, state_bytes(state))
+
+        return healing
+
     def start_step(self) -> None:
         """The quorum of this step; a group that was away is healed before this returns.
         (DiLoCo: the quorum of a synchronization, in the optimizer's step.)"""
+        start = time.perf_counter()
         if self.semi is None:
             self.manager.start_quorum()
+        if self.healed is not None:  # (DiLoCo: healed during the last step)
+            self._report_heal(time.perf_counter() - start if self.semi is None else None)
+
+    def _report_heal(self, quorum_s: float | None) -> None:
+        """One metrics record and line: when this group healed, how long it took."""
+        load_s, nbytes = self.healed or (0.0, 0)
+        self.healed = None
+        record: dict[str, Any] = {
+            "step": self.counters_step(),  # the live group's, which this one now holds
+            "kind": "heal",
+            "time": time.time(),
+            "replicas": self.participants(),
+            "heal_mib": nbytes / 2**20,
+            "heal_load_s": load_s,
+        }
+        if quorum_s is not None:
+            record["heal_s"] = quorum_s  # the quorum, the transfer and the load
+        took = f" in {quorum_s:.2f} s" if quorum_s is not None else ""
+        line = (
+            f"healed from a live replica group at step {record['step']}{took} "
+            f"({record['heal_mib']:.1f} MiB of state; {record['replicas']} groups)"
+        )
+        logger.info(line)
+        if self.log is not None:
+            self.log(record, None)
 
     def participants(self) -> int:
         return self.manager.num_participants()
@@ -260,69 +302,6 @@ def _group_store(world_size: int) -> tuple[str, int, Any]:
     return host, store.port, store
 
 
-# ---------------------------------------------------------------------- the healing state
-def heal_state(
-    parts: Sequence[torch.nn.Module],
-    optimizers: Sequence[torch.optim.Optimizer],
-    schedulers: Sequence[Any],
-    counters: Callable[[], dict[str, int]],
-) -> dict[str, Any]:
-    """What a live group sends a healing one (references, no copies: torchft serializes
-    them while this group waits in its quorum)."""
-    state: dict[str, Any] = {"counters": counters()}
-    for i, part in enumerate(parts):
-        for name, tensor in [*part.named_parameters(), *part.named_buffers()]:
-            state[f"model.{i}.{name}"] = local_tensor(tensor.detach())
-    for j, optimizer in enumerate(optimizers):
-        for index, param in enumerate(_params(optimizer)):
-            for key, value in optimizer.state.get(param, {}).items():
-                if isinstance(value, torch.Tensor):
-                    state[f"optim.{j}.{index}.{key}"] = local_tensor(value)
-    for j, scheduler in enumerate(schedulers):
-        state[f"schedule.{j}"] = scheduler.state_dict()
-    return state
-
-
-def load_heal_state(
-    state: dict[str, Any],
-    parts: Sequence[torch.nn.Module],
-    optimizers: Sequence[torch.optim.Optimizer],
-    schedulers: Sequence[Any],
-    *,
-    set_counters: Callable[[dict[str, int]], None],
-) -> None:
-    """Copy a live group's state into this one's tensors (on the main thread, before the
-    forward of the step it rejoins at). Optimizer state that does not exist yet (a group
-    started afresh) is created first, as a checkpoint load does."""
-    with torch.no_grad():
-        for i, part in enumerate(parts):
-            for name, tensor in [*part.named_parameters(), *part.named_buffers()]:
-                local_tensor(tensor.detach()).copy_(state[f"model.{i}.{name}"])
-        for j, optimizer in enumerate(optimizers):
-            params = _params(optimizer)
-            if any(p not in optimizer.state for p in params):
-                from torch.distributed.checkpoint.state_dict import _init_optim_state
-
-                _init_optim_state(optimizer)
-            for index, param in enumerate(params):
-                for key, value in optimizer.state[param].items():
-                    if isinstance(value, torch.Tensor):
-                        local_tensor(value).copy_(state[f"optim.{j}.{index}.{key}"])
-    for j, scheduler in enumerate(schedulers):
-        scheduler.load_state_dict(state[f"schedule.{j}"])
-        # The state says where the schedule is; the rate the optimizer steps with is in its
-        # groups, which only scheduler.step() writes: set it, or the first step after a heal
-        # would use a fresh process's warm-up rate.
-        groups = scheduler.optimizer.param_groups
-        for group, lr in zip(groups, scheduler.get_last_lr(), strict=True):
-            group["lr"] = lr
-    set_counters(state["counters"])
-
-
-def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for group in optimizer.param_groups for p in group["params"]]
-
-
 class Solo:
     """fault_tolerance.enable = false: one group, every step commits."""
 
@@ -368,11 +347,12 @@ def join(
     optimizers: Sequence[torch.optim.Optimizer],
     schedulers: Sequence[Any],
     counters: Any,
+    log: Callable[[dict[str, Any], str], None] | None = None,
 ) -> ReplicaGroups | Solo:
     """This rank's replica groups (or ``Solo`` without fault tolerance). ``dist_info``: the
     run's process facts (rank, world_size); ``model``: the ParallelModel (its parts, and the
     modules whose hooks take the average inside backward); ``counters``: the train state
-    (step, tokens), a Stateful that a heal overwrites."""
+    (step, tokens), a Stateful that a heal overwrites; ``log``: metrics' (a heal's record)."""
     if not settings.enable:
         return Solo()
     parts = model.parts
@@ -386,6 +366,8 @@ def join(
         ),
         parts=parts,
         optimizers=optimizers,
+        log=log,
     )
+    groups.counters_step = lambda: int(counters.state_dict()["step"])
     groups.attach(model)
     return groups

@@ -42,6 +42,7 @@ SMALL = [
     "false",
 ]
 RTOL = 1e-6
+MUON = ["--optimizer.name", "Muon", "--optimizer.lr", "0.02"]
 
 
 def records(folder: Path) -> list[dict]:
@@ -111,8 +112,8 @@ def relative(a: float, b: float) -> float:
         (1, [], ["--parallelism.data_parallel_replicate_degree", "2"]),
         (
             2,
-            ["--parallelism.data_parallel_shard_degree", "2"],
-            ["--parallelism.data_parallel_shard_degree", "4"],
+            ["--parallelism.data_parallel_shard_degree", "2", *MUON],
+            ["--parallelism.data_parallel_shard_degree", "4", *MUON],
         ),
         (
             2,
@@ -142,7 +143,7 @@ def relative(a: float, b: float) -> float:
     ],
     ids=[
         "2 groups x 1 = ddp 2",
-        "2 groups x dp_shard 2 = dp_shard 4",
+        "2 groups x dp_shard 2 = dp_shard 4, muon",
         "2 groups x ddp 2 = ddp 4",
         "2 groups x tp 2",
         "2 groups x pp 2",

@@ -73,6 +73,9 @@ class AssembledModel:
     converters: tuple[Converter, ...]
     """The model converters applied (model.converters): the trainer attaches them to the
     optimizers once those exist (``Converter.attach``)."""
+    mup: Any = None
+    """μP's plan ([mup], titanlite.mup.parametrize.Plan), or None: the optimizer's groups
+    take its learning-rate factors."""
 
 
 def assemble_model(
@@ -96,12 +99,19 @@ def assemble_model(
     import torch
 
     from titanlite.models.layers import count_params
+    from titanlite.mup.parametrize import install as install_mup
+    from titanlite.mup.parametrize import plan as mup_plan
+    from titanlite.mup.parametrize import scale_init
     from titanlite.parallel.parallelize import parallelize
     from titanlite.training.loss import TrainingLoss
 
     spec, args = build_model_args(cfg, tokenizer_vocab)
     with torch.device("meta"):
         model = spec.build(args)
+    mup = None
+    if cfg.mup.enable:  # μP: its forward factors now, its init factors once initialized
+        mup = mup_plan(spec, args, cfg.mup.base_dim, cfg.mup.base_head_dim)
+        install_mup(model, mup)
     num_params = count_params(model)
     active = spec.active_params(args, num_params) if spec.active_params else num_params
     applied = tuple(converters.build(cfg.model.converters, cfg))
@@ -120,4 +130,6 @@ def assemble_model(
         init_weights=init_weights,
         documents=documents,
     )
-    return AssembledModel(spec, args, parallel, num_params, active, applied)
+    if mup is not None and init_weights and device is not None:
+        scale_init(parallel.parts, mup)
+    return AssembledModel(spec, args, parallel, num_params, active, applied, mup)

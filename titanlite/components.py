@@ -23,11 +23,17 @@ from titanlite.downstream import settings as eval_settings
 from titanlite.ft import settings as ft_settings
 from titanlite.health import settings as health_settings
 from titanlite.models import torchtitan as torchtitan_models
+from titanlite.mup import settings as mup_settings
 from titanlite.parallel import rules as parallel_rules
 
-FEATURE_SECTIONS = (eval_settings.SECTION, health_settings.SECTION, ft_settings.SECTION)
+FEATURE_SECTIONS = (
+    eval_settings.SECTION,
+    health_settings.SECTION,
+    ft_settings.SECTION,
+    mup_settings.SECTION,
+)
 """Sections of features that no registry lists: [eval] (downstream tasks), [health],
-[fault_tolerance]."""
+[fault_tolerance], [mup]."""
 
 RUN_RULES: tuple[Rule, ...] = (
     *parallel_rules.RULES,

@@ -35,6 +35,7 @@ from titanlite.metrics import run_info
 from titanlite.metrics.loggers import format_duration, model_state_bytes
 from titanlite.metrics.moe_tracker import MoETracker
 from titanlite.metrics.profiling import profiling
+from titanlite.mup.parametrize import lr_scale as mup_lr_scale
 from titanlite.optim import build_optimizers, clip_grad_norm_, step_metrics
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.pipeline import tied_copy
@@ -92,10 +93,7 @@ class Trainer:
         # 3. Model: meta device -> converters and parallelisms -> allocate and initialize the
         # local shards (not at all when a checkpoint is about to overwrite them).
         checkpoint_folder = Path(cfg.job.dump_folder) / c.folder
-        documents = None
-        if t.document_mask:
-            bos, eos = self.tokenizer.bos_id, self.tokenizer.eos_id
-            documents = DocumentMask(bos, eos, t.document_positions)
+        documents = DocumentMask.of(t, self.tokenizer)  # (training.document_mask, or None)
         assembled = assemble_model(
             cfg,
             tokenizer_vocab=self.tokenizer.vocab_size,
@@ -136,6 +134,7 @@ class Trainer:
             dims=self.dims,
             n_layers=self.model_args.n_layers,
             replica_group=self.dims.replica_group() if replicated else None,
+            lr_scale=mup_lr_scale(assembled.mup),  # μP's AdamW factors ([mup])
         )
         for converter in assembled.converters:  # e.g. float8's FSDP scales after each step
             converter.attach(self.model.parts, self.optimizers)

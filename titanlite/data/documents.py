@@ -5,6 +5,7 @@ RoPE positions restarting at each document)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -38,6 +39,13 @@ class DocumentMask:
     bos_id: int
     eos_id: int
     reset_positions: bool = False
+
+    @classmethod
+    def of(cls, training: Any, tokenizer: Any) -> DocumentMask | None:
+        """training.document_mask's mask over ``tokenizer``'s BOS and EOS, or None."""
+        if not training.document_mask:
+            return None
+        return cls(tokenizer.bos_id, tokenizer.eos_id, training.document_positions)
 
     def ids(self, tokens: torch.Tensor) -> torch.Tensor:
         return document_ids(tokens, self.bos_id, self.eos_id)

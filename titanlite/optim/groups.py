@@ -8,9 +8,10 @@ optimizer's behaviour, are too.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,10 +88,14 @@ def resolve_groups(
     settings: Optimizer,
     rules: Sequence[ParamGroupRule] | None = None,
     roles: Mapping[str, Sequence[str]] = PARAM_ROLES,
+    *,
+    lr_scale: Callable[[str], float] | None = None,
 ) -> list[ParamGroup]:
     """The groups of ``model``'s trainable parameters, in rule order (empty groups left
     out); a UserError naming a parameter that no rule takes. ``roles`` are the model's
-    family's parameter roles (its spec's ``param_roles``), which rules name as ``@role``."""
+    family's parameter roles (its spec's ``param_roles``), which rules name as ``@role``.
+    ``lr_scale`` (μP, titanlite.mup): a parameter's learning-rate factor in AdamW groups;
+    a group's parameters of another factor go to a group of their own beside it."""
     rules = tuple(rules) if rules is not None else rules_of(settings)
     patterns = [patterns_of(rule, roles) for rule in rules]
     groups = [
@@ -102,6 +107,7 @@ def resolve_groups(
         )
         for i, rule in enumerate(rules)
     ]
+    scaled: dict[tuple[int, float], ParamGroup] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
@@ -113,6 +119,18 @@ def resolve_groups(
                         f"{tuple(param.shape)}) to {group.optimizer}, which takes matrices "
                         f'only; add dims = "matrix" to the rule or give it to adamw'
                     )
+                factor = lr_scale(name) if lr_scale and group.optimizer == "adamw" else 1.0
+                if factor != 1.0:
+                    group = scaled.setdefault(
+                        (id(group), factor),
+                        dataclasses.replace(
+                            group,
+                            name=f"{group.name} (mup x{factor:.4g})",
+                            lr=group.lr * factor,
+                            params=[],
+                            names=[],
+                        ),
+                    )
                 group.params.append(param)
                 group.names.append(name)
                 break
@@ -121,7 +139,8 @@ def resolve_groups(
                 f"optimizer.param_groups: no rule takes parameter {name} (shape "
                 f'{tuple(param.shape)}); end the rules with one whose params is "*"'
             )
-    return [g for g in groups if g.params]
+    after = {id(g): [s for (i, _), s in scaled.items() if i == id(g)] for g in groups}
+    return [x for g in groups for x in (g, *after[id(g)]) if x.params]
 
 
 def _host(kinds: Sequence[str], main: str) -> str:
@@ -149,6 +168,7 @@ def build_optimizer(
     replica_group: Any = None,
     dims: Any = None,
     n_layers: int = 0,
+    lr_scale: Callable[[str], float] | None = None,
 ) -> tuple[torch.optim.Optimizer, list[ParamGroup]]:
     """The optimizer of one model part (a whole model, or a pipeline stage) and its groups.
 
@@ -157,9 +177,9 @@ def build_optimizer(
     ``roles`` the family's parameter roles (``ModelSpec.param_roles``); ``replica_group``
     the group over which plain parameters are replicated (titanlite's DDP), for optimizers
     that split their work over it (Muon); ``dims`` the run's ParallelDims and ``n_layers``
-    the model's blocks (QK-clip).
+    the model's blocks (QK-clip); ``lr_scale`` μP's factors (resolve_groups).
     """
-    groups = resolve_groups(model, settings, roles=roles)
+    groups = resolve_groups(model, settings, roles=roles, lr_scale=lr_scale)
     kinds = sorted({g.optimizer for g in groups})
     host = _host(kinds, settings.name.lower())
     torch_groups = []
@@ -201,10 +221,12 @@ def build_optimizers(
     replica_group: Any = None,
     dims: Any = None,
     n_layers: int = 0,
+    lr_scale: Callable[[str], float] | None = None,
 ) -> tuple[list[torch.optim.Optimizer], list[torch.optim.lr_scheduler.LambdaLR], list[ParamGroup]]:
     """One optimizer and learning-rate schedule per model part (the whole model, or each
     pipeline stage of this rank), and the groups of all of them (logged); ``sections``,
-    ``roles``, ``replica_group``, ``dims`` and ``n_layers`` as for build_optimizer."""
+    ``roles``, ``replica_group``, ``dims``, ``n_layers`` and ``lr_scale`` as for
+    build_optimizer."""
     optimizers, groups = [], []
     for part in parts:
         optimizer, part_groups = build_optimizer(
@@ -216,6 +238,7 @@ def build_optimizers(
             replica_group=replica_group,
             dims=dims,
             n_layers=n_layers,
+            lr_scale=lr_scale,
         )
         optimizers.append(optimizer)
         groups += part_groups

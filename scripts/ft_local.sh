@@ -7,7 +7,7 @@
 # Environment:
 #   NGPU             processes per group (default 1)
 #   FT_MIN_REPLICAS  groups the lighthouse needs for a quorum (default 1)
-#   FT_JOIN_TIMEOUT_MS, FT_HEARTBEAT_TIMEOUT_MS  the lighthouse's (default 1000, 2000; below)
+#   FT_JOIN_TIMEOUT_MS, FT_HEARTBEAT_TIMEOUT_MS  the lighthouse's (default 10000, 2000; below)
 #   LOG_GROUP        the group whose output is also shown here (default 0; "none": none)
 #   OMP_NUM_THREADS  intra-op threads per process (default: CPU cores / (GROUPS x NGPU))
 # Group g trains into DUMP_FOLDER/replica-<g>/ (its metrics, checkpoints, run lock); its console
@@ -143,17 +143,20 @@ mkdir -p "$logs" || exit 1
 # milliseconds unless a process is gone:
 # - heartbeat 2 s (torchft's default 5 s allows for networks between nodes): a group silent
 #   for 2 s is dead. The survivors' next step waits about that long at most (less, below).
-# - join 1 s (default 60 s): once a member of the previous quorum is missing, how long a
-#   quorum waits for groups that heartbeat but have not asked to join. On one machine the
-#   groups ask within milliseconds of each other, so 1 s is only paid when one is gone; with
-#   the default, every step after a loss would wait a minute for the dead group.
+# - join 10 s (default 60 s): once a member of the previous quorum is missing, how long a
+#   quorum waits for groups that heartbeat but have not asked to join. A live group is waited
+#   for that long (a save or a validation slower in one group, a pause): one that asks later
+#   is left out of the step and healed at the next, its step lost. The timer starts with the
+#   first request, and a group coming back asks early and waits, so a join timeout shorter
+#   than a step would leave out whichever survivor asks second. A dead group is not waited for
+#   so long: it stops heartbeating and is out after the heartbeat timeout, whatever this is.
 # Its log says which groups were in each quorum (about 1 kB a step; RUST_LOG=info is needed
 # for the line that names the port).
 lighthouse_log="$logs/lighthouse.log"
 offset="$(stat -c %s "$lighthouse_log" 2>/dev/null || echo 0)"
 set -m
 RUST_LOG=info "$lighthouse_bin" --bind 127.0.0.1:0 --min_replicas "${FT_MIN_REPLICAS:-1}" \
-  --join_timeout_ms "${FT_JOIN_TIMEOUT_MS:-1000}" \
+  --join_timeout_ms "${FT_JOIN_TIMEOUT_MS:-10000}" \
   --heartbeat_timeout_ms "${FT_HEARTBEAT_TIMEOUT_MS:-2000}" --quorum_tick_ms 100 \
   >>"$lighthouse_log" 2>&1 &
 lighthouse_pid=$!

@@ -78,6 +78,19 @@ class StepFolders:
         else:
             os.replace(partial, final)
         fsync(final.parent)
+        # Any other step-M.partial is a save killed before (one save is in flight at a time).
+        # A later save of M would replace it, but a run may never save M again (a replica
+        # group that healed past M, a timed save): retired as an old checkpoint is.
+        leftovers = [p for p in self.folder.glob("step-*.partial") if p.is_dir()]
+        for path in leftovers:
+            doomed = path.with_name(path.name + DELETING)
+            shutil.rmtree(doomed, ignore_errors=True)
+            os.replace(path, doomed)
+            logger.info("checkpoint: removing %s (a save that was killed)", path)
+        if leftovers:
+            fsync(self.folder)
+        for path in leftovers:
+            self._delete(path.with_name(path.name + DELETING))
 
     def retire(self, keep: int) -> None:
         """Retire all but the newest ``keep`` checkpoints (0 keeps all): each is renamed at once

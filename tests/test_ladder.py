@@ -1,0 +1,85 @@
+"""scripts/ladder.py: the law's fit recovers a known law, the plan and the resume of a ladder,
+bad input (no runs to fit)."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "scripts"))
+import ladder  # noqa: E402
+
+TRUE = ladder.Law(E=1.7, A=400.0, alpha=0.34, B=410.0, beta=0.28)
+SIZES = (1e5, 3e5, 1e6, 3e6, 1e7)
+TOKENS = (1e7, 3e7, 1e8)
+
+
+def synthetic(noise: float, seed: int = 0) -> list[tuple[float, float, float]]:
+    rng = random.Random(seed)
+    return [(n, d, TRUE.loss(n, d) * (1 + noise * rng.gauss(0, 1))) for n in SIZES for d in TOKENS]
+
+
+def test_the_fit_recovers_a_known_law() -> None:
+    law = ladder.fit(synthetic(0.0))
+    assert law.alpha == pytest.approx(TRUE.alpha, abs=0.005)
+    assert law.beta == pytest.approx(TRUE.beta, abs=0.005)
+    assert law.E == pytest.approx(TRUE.E, rel=0.01)
+    n_true, _ = TRUE.optimal(1e18)
+    assert ladder.Law.optimal(law, 1e18)[0] == pytest.approx(n_true, rel=0.1)
+    # With 0.2% noise on every loss the exponents stay within 0.02 and the law of N alone
+    # (one token budget) finds its own exponent.
+    noisy = ladder.fit(synthetic(0.002))
+    assert abs(noisy.alpha - TRUE.alpha) < 0.02 and abs(noisy.beta - TRUE.beta) < 0.02
+    at_one_budget = [(n, d, TRUE.loss(n, d)) for n, d, _ in synthetic(0.0) if d == TOKENS[-1]]
+    simple = ladder.fit(at_one_budget, with_data=False)
+    assert simple.alpha == pytest.approx(TRUE.alpha, abs=0.01)
+
+
+def write_runs(folder: Path, points: list[tuple[float, float, float]]) -> None:
+    for i, (n, d, loss) in enumerate(points):
+        for lr, extra in ((1e-3, 0.0), (3e-3, 0.05)):  # the worse learning rate is ignored
+            run = folder / ladder.run_name(f"{i}x1", d, lr)
+            run.mkdir(parents=True)
+            record = {"size": f"{i}x1", "tokens": d, "lr": lr, "params": n, "loss": loss + extra}
+            (run / "ladder.json").write_text(json.dumps(record))
+
+
+def test_fit_prints_the_law_the_optimum_and_plots(tmp_path, capsys) -> None:
+    write_runs(tmp_path, synthetic(0.001))
+    assert ladder.main(["fit", str(tmp_path), "--budget", "1e18", "--bootstrap", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "compute-optimal at 1e+18 FLOPs" in out and "predicted loss" in out
+    assert (tmp_path / "fit.png").stat().st_size > 1000
+    fitted = json.loads((tmp_path / "fit.json").read_text())["law"]
+    assert abs(fitted["alpha"] - TRUE.alpha) < 0.03
+    assert all(r["lr"] == 1e-3 for r in json.loads((tmp_path / "fit.json").read_text())["runs"])
+
+
+def test_too_few_runs_to_fit_is_one_line_and_exit_2(tmp_path, capsys) -> None:
+    write_runs(tmp_path, synthetic(0.0)[:3])
+    assert ladder.main(["fit", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ladder.py: 3 finished")
+
+
+def test_a_finished_run_is_not_repeated_and_slurm_gets_an_array(tmp_path, capsys) -> None:
+    out = tmp_path / "ladder"
+    for size in ("64x2", "128x2"):
+        run = out / ladder.run_name(size, 1e4, 1e-3)
+        run.mkdir(parents=True)
+        (run / "ladder.json").write_text("{}")
+    config = str(REPO / "train_configs" / "debug_model.toml")
+    argv = ["run", config, "--sizes", "64x2", "128x2", "--tokens", "1e4", "--out", str(out)]
+    assert ladder.main(argv) == 0  # both done before: nothing trains
+    assert capsys.readouterr().out.count("done before") == 2
+    assert ladder.main([*argv, "--slurm"]) == 0
+    script = (out / "ladder.slurm").read_text()
+    assert "#SBATCH --array=0-1" in script
+    runs = (out / "runs.txt").read_text().splitlines()
+    assert len(runs) == 2 and "--model.dim 128" in runs[1] and "--training.steps 20" in runs[1]
+    assert ladder.main(["run", config, "--sizes", "64by2", "--tokens", "1", "--out", str(out)]) == 2

@@ -14,11 +14,13 @@ parallelisms only when a model is assembled.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from titanlite import converters, models
 from titanlite.config import ConfigError, JobConfig
+from titanlite.config.model_section import FROM_CHECKPOINT
 from titanlite.models.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -35,22 +37,65 @@ def model_overrides(cfg: JobConfig) -> dict[str, Any]:
 
 
 def build_model_args(cfg: JobConfig, tokenizer_vocab: int) -> tuple[ModelSpec, Any]:
-    """The family's spec and the args of this run's model; ConfigError naming the key."""
+    """The family's spec and the args of this run's model; ConfigError naming the key.
+
+    With checkpoint.initial_load_path, a model.flavor of "from_checkpoint" takes the family
+    and shape from that folder (``titanlite.interop.source``); a named flavor must describe
+    the same model, every difference listed in one line."""
     m = cfg.model
-    spec = models.get(m.name)
-    vocab_size = m.vocab_size or tokenizer_vocab
-    if vocab_size < tokenizer_vocab:
+    source = None
+    if cfg.checkpoint.enable and cfg.checkpoint.initial_load_path:
+        from titanlite.interop import source as sources
+
+        source = sources.describe(cfg.checkpoint.initial_load_path)
+    if m.flavor == FROM_CHECKPOINT and source is not None:
+        spec, args = _args_of_source(cfg, source)
+    else:
+        spec = models.get(source.family if m.name == FROM_CHECKPOINT and source else m.name)
+        if m.flavor not in spec.flavors:
+            raise ConfigError(
+                f"model.flavor: {m.flavor!r} is not a {spec.name} flavor; valid: "
+                f"{', '.join(spec.flavors)}, {FROM_CHECKPOINT}"
+            )
+        vocab_size = m.vocab_size or tokenizer_vocab
+        try:
+            args = spec.make_args(m.flavor, vocab_size, cfg.training.seq_len, model_overrides(cfg))
+        except ValueError as e:
+            raise ConfigError(f"model: {e}") from None
+    if source is not None:
+        found = sources.differences(source, spec.name, args)
+        if found:
+            raise ConfigError(
+                f"model: checkpoint.initial_load_path {str(source.path)!r} holds a different "
+                f"model: {', '.join(found)} (leave model.name, model.flavor and the shape "
+                "keys unset to train the model it holds)"
+            )
+    if args.vocab_size < tokenizer_vocab:
         raise ConfigError(
-            f"model.vocab_size {vocab_size} is smaller than the tokenizer's vocabulary "
+            f"model.vocab_size {args.vocab_size} is smaller than the tokenizer's vocabulary "
             f"({tokenizer_vocab})"
         )
-    if m.flavor not in spec.flavors:
+    return spec, args
+
+
+def _args_of_source(cfg: JobConfig, source: Any) -> tuple[ModelSpec, Any]:
+    """The source's family and args, with this run's sequence length and model.* keys."""
+    m = cfg.model
+    if m.name not in (FROM_CHECKPOINT, source.family):
         raise ConfigError(
-            f"model.flavor: {m.flavor!r} is not a {spec.name} flavor; valid: "
-            f"{', '.join(spec.flavors)}"
+            f"model.name: checkpoint.initial_load_path {str(source.path)!r} holds a "
+            f"{source.family} model (this run: {m.name}); leave model.name unset"
         )
+    spec = models.get(source.family)
+    changes = {k: v for k, v in model_overrides(cfg).items() if v is not None}
+    foreign = sorted(set(changes) - set(spec.overrides))
+    if foreign:
+        raise ConfigError(f"model: {', '.join(foreign)} does not apply to {spec.name}")
+    if m.vocab_size:
+        changes["vocab_size"] = m.vocab_size
     try:
-        args = spec.make_args(m.flavor, vocab_size, cfg.training.seq_len, model_overrides(cfg))
+        args = dataclasses.replace(source.args, max_seq_len=cfg.training.seq_len, **changes)
+        args.check()
     except ValueError as e:
         raise ConfigError(f"model: {e}") from None
     return spec, args

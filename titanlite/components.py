@@ -15,6 +15,7 @@ listed in ``FEATURE_SECTIONS`` below; its checks against the rest of a planned r
 from __future__ import annotations
 
 from titanlite import converters, models, optim
+from titanlite.checkpoint import formats
 from titanlite.checkpoint.keys import STATE_KEYS
 from titanlite.config import catalog
 from titanlite.config.planned import Rule
@@ -22,6 +23,7 @@ from titanlite.data import rules as data_rules
 from titanlite.downstream import settings as eval_settings
 from titanlite.ft import settings as ft_settings
 from titanlite.health import settings as health_settings
+from titanlite.interop.source import is_hf_folder
 from titanlite.models import torchtitan as torchtitan_models
 from titanlite.mup import settings as mup_settings
 from titanlite.parallel import rules as parallel_rules
@@ -70,3 +72,14 @@ def build_catalog() -> catalog.Catalog:
 
 CATALOG = build_catalog()
 catalog.install(CATALOG)
+
+formats.register(
+    formats.Format(
+        formats.HUGGING_FACE,
+        recognizes=is_hf_folder,
+        reader="titanlite.interop.hf_reader:open_reader",
+        writer="titanlite.interop.hf_writer:write_hf",
+    )
+)
+"""checkpoint.initial_load_path may be a Hugging Face folder, and a save may also write one
+(checkpoint.last_save_in_hf): interop's format, handed to the checkpoint room from here."""

@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from titanlite.checkpoint import loading
+from titanlite.checkpoint import formats, loading
 from titanlite.checkpoint.dcp_state import failure_cause, lost_collective, split_state
 from titanlite.checkpoint.folders import complete_checkpoints, write_sidecar
 from titanlite.checkpoint.integrity import ChecksummingWriter
@@ -44,6 +44,9 @@ from titanlite.errors import UserError
 __all__ = ["Checkpointer", "DamagedCheckpoint", "ModelIdentity", "resume_path", "will_load_weights"]
 
 logger = logging.getLogger(__name__)
+
+HF_FOLDER = "hf"
+"""Where a checkpoint holds its Hugging Face folder (checkpoint.last_save_in_hf, save_format)."""
 
 
 class Checkpointer:
@@ -105,6 +108,8 @@ class Checkpointer:
         start = time.perf_counter()
         model_only = last and self.cfg.last_save_model_only
         tensors, sidecar = self._snapshot(step, model_only)
+        if (last and self.cfg.last_save_in_hf) or self.cfg.save_format == "dcp+hf":
+            self._write_hf(partial / HF_FOLDER)
         writer = ChecksummingWriter(str(partial))
         if self.cfg.async_mode == "async" and not force_sync:
             future = dcp.async_save(tensors, storage_writer=writer, process_group=self._async_group)
@@ -123,6 +128,21 @@ class Checkpointer:
                 self._finish(partial, final, sidecar, start)
             else:
                 self._finish_in_background(partial, final, sidecar, start)
+
+    def _write_hf(self, folder: Path) -> None:
+        """The model as a Hugging Face folder inside the checkpoint (every rank writes its
+        part; the checkpoint's rename makes it visible with the rest)."""
+        if self.is_main:
+            folder.mkdir()
+        dist.barrier()
+        formats.FORMATS[formats.HUGGING_FACE].write(
+            self.states["model"].state_dict(),
+            folder,
+            model_name=self.identity.name,
+            model_args=self.identity.args,
+            tokenizer=self.sidecar_fields.get("tokenizer_source"),
+            dtype=DTYPES[self.cfg.export_dtype],
+        )
 
     def _snapshot(self, step: int, model_only: bool) -> tuple[dict[str, Any], dict[str, Any]]:
         """(tensors for DCP, sidecar fields): each state split into its tensor and plain parts."""

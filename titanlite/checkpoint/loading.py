@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from titanlite.checkpoint import integrity
+from titanlite.checkpoint import formats, integrity
 from titanlite.checkpoint.dcp_state import failure_cause, merge_state, tensors_in
 from titanlite.checkpoint.folders import (
     complete_checkpoints,
@@ -97,6 +97,12 @@ def load(
         return True
     if cfg.enable and cfg.initial_load_path:
         path = Path(cfg.initial_load_path)
+        foreign = formats.recognized(path)
+        if foreign is not None:  # a Hugging Face folder: the weights, read where they go
+            reader = foreign.open_reader(path, identity.name, identity.args)
+            _read(states, reader, ["model"], path=path, plain={})
+            logger.info("initialized from %s (%s, weights only)", path, foreign.name)
+            return False
         model_only = cfg.initial_load_model_only or read_sidecar(path).get("model_only")
         keys = ["model"] if model_only else list(states)
         _load(states, path, keys, identity=identity, folder=folder)
@@ -120,12 +126,20 @@ def _load(
     if meta.get("model_only", False):
         keys = [k for k in keys if k == "model"]
     _verify(path, meta, folder)
-    reader = SafeFileSystemReader(str(path))
+    _read(states, SafeFileSystemReader(str(path)), keys, path=path, plain=plain_states(meta))
+
+
+def _read(
+    states: dict[str, Stateful], reader: Any, keys: list[str], *, path: Path, plain: dict
+) -> None:
+    """Load the ``keys`` of ``states`` through a DCP ``reader`` of the folder ``path``
+    (``plain``: the states' non-tensor parts, from the sidecar)."""
     try:
         saved = reader.read_metadata().state_dict_metadata  # refuse a bad one here
+    except UserError:
+        raise
     except Exception as e:  # unreadable, or refused: DCP would log a traceback
         raise UserError(f"checkpoint folder {str(path)!r}: unreadable .metadata ({e})") from None
-    plain = plain_states(meta)
     tensors: dict[str, Any] = {}
     for key in keys:
         template, missing = tensors_in(states[key].state_dict(), key, saved)

@@ -10,6 +10,7 @@ import importlib.util
 from titanlite.config import catalog
 from titanlite.config.batch_ramp import parse_schedule
 from titanlite.config.job_config import ConfigError, JobConfig
+from titanlite.config.model_section import FROM_CHECKPOINT
 from titanlite.config.schema import dataset_name
 from titanlite.errors import Problems
 
@@ -164,8 +165,15 @@ def _did_you_mean(key: str, value: str, known: list[str]) -> str:
 def check_registered(cfg: JobConfig, problems: Problems) -> None:
     """Names the registries must know: the model family, the optimizers, the converters."""
     known = catalog.current()
-    if cfg.model.name not in known.families:
+    if cfg.model.name not in known.families and cfg.model.name != FROM_CHECKPOINT:
         problems.add(_did_you_mean("model.name", cfg.model.name, list(known.families)))
+    source = cfg.checkpoint.initial_load_path if cfg.checkpoint.enable else ""
+    for key in ("name", "flavor"):
+        if getattr(cfg.model, key) == FROM_CHECKPOINT and not source:
+            problems.add(
+                f'model.{key}: "{FROM_CHECKPOINT}" takes the model of '
+                "checkpoint.initial_load_path, and none is set (or checkpoint.enable is false)"
+            )
     names = [("optimizer.name", cfg.optimizer.name)]
     for i, rule in enumerate(cfg.optimizer.param_groups):
         where = f"optimizer.param_groups[{i}]"

@@ -263,15 +263,22 @@ class Checkpoint:
     async_mode: Literal["disabled", "async"] = "disabled"
     """async: write checkpoints in a background thread while training continues."""
     initial_load_path: str = ""
-    """A checkpoint (step-N folder) to start from when this run has none of its own, e.g. a
-    converted Hugging Face model."""
+    """A checkpoint (step-N folder) or a Hugging Face folder (config.json and safetensors) to
+    start from when this run has none of its own; unless the config names them, the model's
+    family, shape and tokenizer are that folder's."""
     initial_load_model_only: bool = True
     """From initial_load_path, load only the model weights (not optimizer, schedule, data position
     or step)."""
     last_save_model_only: bool = False
     """Make the final checkpoint weights only (smaller; for export, not for resuming)."""
     export_dtype: Literal["float32", "bfloat16"] = "float32"
-    """Dtype of the weights in a model-only final checkpoint."""
+    """Dtype of the weights in a model-only final checkpoint (and in Hugging Face saves)."""
+    last_save_in_hf: bool = False
+    """Also write the final checkpoint as a Hugging Face folder of the family (safetensors,
+    config.json, tokenizer) in step-N/hf, each rank writing the tensors it holds."""
+    save_format: Literal["dcp", "dcp+hf"] = "dcp"
+    """dcp+hf: every checkpoint also holds its weights as a Hugging Face folder (step-N/hf), as
+    last_save_in_hf does for the final one."""
     exclude_from_loading: list[str] = field(default_factory=list)
     """State not to restore on resume: any of model, optimizer, lr_scheduler, dataloader,
     train_state, rng, ema."""

@@ -12,6 +12,11 @@ from typing import Any
 from titanlite.config import catalog
 from titanlite.config.docstrings import field_docs
 
+FROM_CHECKPOINT = "from_checkpoint"
+"""model.name and model.flavor meaning "what checkpoint.initial_load_path holds": the family and
+shape of that checkpoint or Hugging Face folder. A config that leaves model.name and
+model.flavor unset while it names an initial_load_path means it too."""
+
 
 @dataclass
 class Model:
@@ -21,12 +26,17 @@ class Model:
     and held in ``overrides``. A family adds such keys in its own folder, not here."""
 
     name: str = "llama3"
-    """Model family, one of the registry's (docs/models.md; --help lists them)."""
+    """Model family, one of the registry's (docs/models.md; --help lists them), or
+    "from_checkpoint": the family of checkpoint.initial_load_path (the default when a config names
+    an initial_load_path and no model.name)."""
     flavor: str = "debugmodel"
-    """Size preset of the family (--help lists each family's)."""
+    """Size preset of the family (--help lists each family's), or "from_checkpoint": the shape of
+    checkpoint.initial_load_path (the default when a config names an initial_load_path and no
+    model.flavor)."""
     tokenizer_path: str = "titanlite/assets/tokenizer.model"
     """Tokenizer: a sentencepiece .model, a Hugging Face tokenizer.json, or a folder holding either
-    (e.g. a downloaded model folder); the vocabulary size follows it."""
+    (e.g. a downloaded model folder); the vocabulary size follows it. Unset while
+    checkpoint.initial_load_path holds a tokenizer: that one."""
     vocab_size: int | None = None
     """Embedding rows (unset = the tokenizer's vocabulary size; if set, at least that). Lets a dry
     run go without a tokenizer file."""

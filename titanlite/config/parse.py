@@ -23,6 +23,7 @@ from typing import Any, Literal
 from titanlite.config import catalog, torchtitan
 from titanlite.config.constraints import validate
 from titanlite.config.job_config import ConfigError, DatasetEntry, JobConfig
+from titanlite.config.model_section import FROM_CHECKPOINT
 from titanlite.config.render import help_text, to_toml, toml_value
 from titanlite.config.schema import (
     dataset_name,
@@ -267,11 +268,18 @@ def load_config(argv: list[str]) -> JobConfig:
     problems = Problems()
     _, overrides = _parse_cli(argv, problems)
     cfg = JobConfig()
+    given = set(overrides)  # the keys this config sets (the file's added below)
     config_file = overrides.get("job.config_file")
     if isinstance(config_file, str) and config_file:
         data = read_toml(config_file)  # nothing else can be checked without it
         if torchtitan.looks_like_torchtitan(data):
             data = from_torchtitan(data, config_file)
+        given |= {
+            f"{section}.{name}"
+            for section, table in data.items()
+            if isinstance(table, dict)
+            for name in table
+        }
         with problems.check():
             apply_toml(cfg, data, config_file)
     for key, raw in overrides.items():
@@ -279,11 +287,31 @@ def load_config(argv: list[str]) -> JobConfig:
         with problems.check():
             setattr(getattr(cfg, section), name, _coerce(raw, tp, f"--{key}", from_cli=True))
     # A key that failed above keeps its default, which is valid: no problem is reported twice.
+    _model_from_checkpoint(cfg, given)
     with problems.check():
         _flavor_family(cfg)
         validate(cfg)
     problems.raise_if_any(ConfigError)
     return cfg
+
+
+def _model_from_checkpoint(cfg: JobConfig, given: set[str]) -> None:
+    """A run starting from checkpoint.initial_load_path takes what the config leaves unset of
+    the model from there: the family and shape (model.name and model.flavor become
+    "from_checkpoint", resolved with the model's args: ``titanlite.assembly``) and the
+    tokenizer, when the folder holds one."""
+    source = cfg.checkpoint.initial_load_path
+    if not (cfg.checkpoint.enable and source):
+        return
+    if "model.flavor" not in given:
+        cfg.model.flavor = FROM_CHECKPOINT
+        if "model.name" not in given:
+            cfg.model.name = FROM_CHECKPOINT
+    holds_tokenizer = any(
+        os.path.isfile(os.path.join(source, name)) for name in ("tokenizer.json", "tokenizer.model")
+    )
+    if "model.tokenizer_path" not in given and holds_tokenizer:
+        cfg.model.tokenizer_path = source
 
 
 def _flavor_family(cfg: JobConfig) -> None:

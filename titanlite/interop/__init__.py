@@ -1,5 +1,8 @@
-"""Interoperation with other formats: Hugging Face folders (``hf``) and single-process use of
-titanlite checkpoints (``checkpoint_model``), each through the model family's spec.
+"""Interoperation with other formats: Hugging Face folders (``hf``; read straight into a run's
+shards by ``hf_reader``, written from them by ``hf_writer``, a run's initial_load_path
+described by ``source``) and single-process use of titanlite checkpoints
+(``checkpoint_model``), each through the model family's spec.
 
-May import: ``checkpoint``, ``data`` (tokenizers), ``models``, ``errors``, ``files``.
+May import: ``checkpoint``, ``data`` (tokenizers), ``models``, ``errors``, ``files``,
+``paths`` (a run's tokenizer, saved with its weights).
 """

@@ -175,28 +175,35 @@ def family_of(config: Mapping[str, Any]) -> tuple[ModelSpec, ModuleType]:
     )
 
 
-def load_hf(path: str | Path) -> tuple[dict[str, torch.Tensor], ModelSpec, Any]:
-    """(titanlite state dict, spec, args) of an HF folder (single or sharded safetensors).
-    The args come from a titanlite export marker when it describes the same HF model as
-    config.json (it keeps how a shape was expressed), else from config.json."""
-    safetensors = _safetensors()
+def read_hf_model(path: str | Path) -> tuple[ModelSpec, Any, dict[str, Any]]:
+    """(spec, args, config.json) of an HF folder. The args come from a titanlite export marker
+    when it describes the same HF model as config.json (it keeps how a shape was expressed),
+    else from config.json."""
     path = Path(path)
     if not path.is_dir():
         raise UserError(f"HF folder {str(path)!r} does not exist")
     config = read_json(path / "config.json")
     spec, adapter = family_of(config)
     args = adapter.from_hf_config(config)
+    if hasattr(adapter, "fit_to_tensors"):  # config.json naming more than the folder holds
+        args = adapter.fit_to_tensors(args, tensor_names(path))
     marker = path / EXPORT_MARKER
     if marker.is_file():
         exported_spec, exported = spec_and_args(read_json(marker), str(path))
         if exported_spec is spec and adapter.to_hf_config(exported) == adapter.to_hf_config(args):
             args = exported
-    files = _safetensors_files(path)
+    return spec, args, config
+
+
+def load_hf(path: str | Path) -> tuple[dict[str, torch.Tensor], ModelSpec, Any]:
+    """(titanlite state dict, spec, args) of an HF folder (single or sharded safetensors),
+    read whole in this process (``interop.hf_reader`` reads a run's shards instead)."""
+    safetensors = _safetensors()
+    path = Path(path)
+    spec, args, config = read_hf_model(path)
+    adapter = spec.hf_adapter()
     state: dict[str, torch.Tensor] = {}
-    for name in files:
-        file = path / name
-        if not file.is_file():
-            raise UserError(f"safetensors file {str(file)!r} (listed in the index) is missing")
+    for file in safetensors_files(path):
         try:
             state |= safetensors.torch.load_file(str(file))
         except (safetensors.SafetensorError, OSError) as e:
@@ -205,6 +212,31 @@ def load_hf(path: str | Path) -> tuple[dict[str, torch.Tensor], ModelSpec, Any]:
     # blocks (interop/fp8.py) and gpt-oss's MXFP4 experts (interop/mxfp4.py).
     state = mxfp4.dequantize(fp8.dequantize(state, config))
     return adapter.from_hf_state_dict(state, args), spec, args
+
+
+def tensor_names(path: Path) -> list[str]:
+    """The names of the folder's tensors, from the index or the file's header (no data)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted(read_json(index).get("weight_map") or {})
+    safetensors = _safetensors()
+    names: list[str] = []
+    for file in safetensors_files(path):
+        try:
+            with safetensors.safe_open(str(file), framework="pt") as f:
+                names += list(f.keys())
+        except (safetensors.SafetensorError, OSError) as e:
+            raise UserError(f"safetensors file {str(file)!r} is unreadable ({e})") from None
+    return names
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The folder's safetensors files (one, or those its index lists); UserError if missing."""
+    files = [path / name for name in _safetensors_files(path)]
+    for file in files:
+        if not file.is_file():
+            raise UserError(f"safetensors file {str(file)!r} (listed in the index) is missing")
+    return files
 
 
 def _safetensors_files(path: Path) -> list[str]:

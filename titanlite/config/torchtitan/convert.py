@@ -253,6 +253,7 @@ def convert(data: dict[str, Any]) -> Conversion:
                 "checkpoint.exclude_from_loading",
                 f"only {', '.join(STATE_NAMES)} are loaded state; the rest is ignored",
             )
+    _convert_initial_load(flat, conv, note)
     components = flat.get("compile.components", [])
     components = components if isinstance(components, list) else [components]
     if flat.get("compile.enable") and any(c != "model" for c in components):
@@ -336,6 +337,22 @@ def _convert_converters(flat: dict[str, Any], conv: Conversion, note: Any) -> No
                 f"{section}.recipe_name",
                 "titanlite's float8 experts take the rowwise recipe, for the linears too",
             )
+
+
+def _convert_initial_load(flat: dict[str, Any], conv: Conversion, note: Any) -> None:
+    """initial_load_path carries over when it is a Hugging Face folder (initial_load_in_hf);
+    a TorchTitan (DCP) checkpoint does not load in titanlite."""
+    path = flat.get("checkpoint.initial_load_path") or ""
+    in_hf = bool(flat.get("checkpoint.initial_load_in_hf", False))
+    if path and in_hf:
+        conv.put("checkpoint.initial_load_path", "checkpoint.initial_load_path", path)
+    elif path:
+        note(
+            "checkpoint.initial_load_path",
+            "a TorchTitan checkpoint does not load in titanlite: export it to a Hugging Face "
+            "folder, set checkpoint.initial_load_path to it and initial_load_in_hf = true",
+            True,
+        )
 
 
 def mapping_table_markdown() -> str:

@@ -38,28 +38,27 @@ def run_rules() -> dict[str, Rule]:
             special=True,
         ),
         "checkpoint.initial_load_path": Rule(
+            "checkpoint.initial_load_path",
             note=(
-                "a TorchTitan checkpoint does not load in titanlite: export it "
-                "to a Hugging Face folder, import that with scripts/convert_from_hf.py, "
-                "set checkpoint.initial_load_path to the result"
+                "with initial_load_in_hf = true: the Hugging Face folder, loaded as is; else a "
+                "TorchTitan checkpoint, which does not load in titanlite: export it to a "
+                "Hugging Face folder and load that"
             ),
-            inert=("",),
-            blocks=True,
+            special=True,
         ),
         "checkpoint.initial_load_in_hf": Rule(
+            note="initial_load_path is a Hugging Face folder (titanlite recognizes one by itself)",
+            special=True,
+        ),
+        "checkpoint.initial_load_in_hf_quantized": Rule(
             note=(
-                "import the Hugging Face folder with scripts/convert_from_hf.py "
-                "and set checkpoint.initial_load_path to the result"
+                "titanlite trains from float32 weights: it dequantizes FP8-block and MXFP4 "
+                "Hugging Face weights on the way in (initial_load_in_hf alone)"
             ),
             inert=(False,),
             blocks=True,
         ),
-        "checkpoint.initial_load_in_hf_quantized": Rule(
-            note="titanlite cannot load quantized Hugging Face weights", inert=(False,), blocks=True
-        ),
-        "checkpoint.last_save_in_hf": Rule(
-            note="export the final checkpoint with scripts/convert_to_hf.py", inert=(False,)
-        ),
+        "checkpoint.last_save_in_hf": Rule("checkpoint.last_save_in_hf"),
         "checkpoint.enable_first_step_checkpoint": Rule(
             note="use checkpoint.interval = 1 for a quick check", inert=(False,)
         ),

@@ -26,8 +26,10 @@ renormalizes), a routing bias and multi-token prediction (it has neither).
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -43,6 +45,26 @@ V2_MODEL_TYPE = "deepseek_v2"
 V2_ARCHITECTURE = "DeepseekV2ForCausalLM"
 HF_ALSO_READS = {V2_MODEL_TYPE: V2_ARCHITECTURE}
 """Other model types (-> architecture) this adapter reads: DeepSeek-V2's, for softmax scores."""
+
+logger = logging.getLogger(__name__)
+
+
+def fit_to_tensors(args: DeepseekV3Args, names: Collection[str]) -> DeepseekV3Args:
+    """args for the tensors a folder holds: multi-token prediction blocks that config.json's
+    num_nextn_predict_layers names and the folder lacks (transformers' save_pretrained
+    writes none) are left out of the model."""
+    block = f"model.layers.{args.n_layers}."
+    if args.mtp_layers and not any(name.startswith(block) for name in names):
+        logger.info(
+            "config.json names %d multi-token prediction block(s) and the folder holds none "
+            "(no %s* tensors): the model is loaded without them",
+            args.mtp_layers,
+            block,
+        )
+        return dataclasses.replace(args, mtp_layers=0)
+    return args
+
+
 BIAS = "feed_forward.expert_bias"
 
 ATTENTION_NAMES = {

@@ -8,7 +8,7 @@ has a fixed size whatever the sequence (``titanlite.models.qwen3_5.model``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from titanlite.models.decoder_spec import check_decoder_shape
@@ -43,6 +43,9 @@ class Qwen35Args:
     """The output projection shares the token embedding's weight."""
     full_attention_interval: int = 4
     """Every this-many-th layer is full attention, the others Gated DeltaNet (4: 3 : 1)."""
+    layer_types: list[str] = field(default_factory=list)
+    """Each layer's kind, as Hugging Face's config.json lists them: "full_attention" or
+    "linear_attention", one per layer (empty = every full_attention_interval-th layer full)."""
     linear_k_heads: int = 16
     """Query/key heads of the Gated DeltaNet layers."""
     linear_v_heads: int = 48
@@ -94,6 +97,8 @@ class Qwen35Args:
         return int(self.head_dim * self.partial_rotary)
 
     def is_full_attention(self, layer: int) -> bool:
+        if self.layer_types:
+            return self.layer_types[layer] == "full_attention"
         return (layer + 1) % self.full_attention_interval == 0
 
     def check(self) -> None:
@@ -101,6 +106,14 @@ class Qwen35Args:
         for name in self.POSITIVE:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        kinds = {"full_attention", "linear_attention"}
+        if self.layer_types and (
+            len(self.layer_types) != self.n_layers or set(self.layer_types) - kinds
+        ):
+            raise ValueError(
+                f"layer_types must list {self.n_layers} (n_layers) kinds, each full_attention "
+                f"or linear_attention, got {self.layer_types!r}"
+            )
         if self.linear_v_heads % self.linear_k_heads:
             raise ValueError(
                 f"linear_v_heads {self.linear_v_heads} is not divisible by "
@@ -146,6 +159,7 @@ OVERRIDES = (
     "tie_embeddings",
     "partial_rotary",
     "full_attention_interval",
+    "layer_types",
     "linear_k_heads",
     "linear_v_heads",
     "linear_k_dim",

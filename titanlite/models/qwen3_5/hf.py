@@ -208,7 +208,20 @@ def hybrid_fields(config: Mapping[str, Any]) -> dict[str, Any]:
         linear_k_dim=int(config["linear_key_head_dim"]),
         linear_v_dim=int(config["linear_value_head_dim"]),
         conv_kernel=int(config.get("linear_conv_kernel_dim", 4)),
+        layer_types=explicit_layer_types(config),
     )
+
+
+def explicit_layer_types(config: Mapping[str, Any]) -> list[str]:
+    """config.json's layer_types when they are not the full_attention_interval pattern (that
+    one is kept as the interval: the model is the same, its args stay those of a flavor)."""
+    types = [str(t) for t in config.get("layer_types") or []]
+    interval = int(config.get("full_attention_interval", 4))
+    pattern = [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+        for i in range(len(types))
+    ]
+    return [] if types == pattern else types
 
 
 def refuse_unsupported(

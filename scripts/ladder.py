@@ -3,6 +3,7 @@
     python scripts/ladder.py run CONFIG --sizes 64x2 128x2 256x4 --tokens 2e5 4e5 8e5 \\
         --lrs 1e-3 3e-3 --out ladder [--set section.key value ...]
     python scripts/ladder.py fit ladder --budget 1e18 [--plot ladder/fit.png]
+    python scripts/ladder.py transfer ladder [--plot ladder/transfer.png]
 
 ``run`` trains every size (``WIDTHxDEPTH``: model.dim x model.n_layers; heads = width /
 --head-dim) at every token budget (training.steps = tokens / (batch x seq_len)) and every
@@ -17,6 +18,10 @@ L(N, D) = E + A / N^alpha + B / D^beta (N: parameters, D: training tokens), and 
 L(N) = E + A / N^alpha over the runs at the most common tokens-per-parameter ratio. It prints
 the parameters with bootstrap intervals (runs resampled), the compute-optimal N and D for
 --budget FLOPs (C = 6 N D) with the loss predicted there, and plots the fit with the points.
+``transfer`` reads a ladder run with several learning rates (with or without ``--set
+mup.enable true``) and prints, per size and token budget, the loss at each learning rate and
+which is best: with μP the best stays put as the width grows.
+
 Exit 2: bad input (no finished runs, fewer runs than parameters, a malformed size).
 """
 
@@ -297,6 +302,48 @@ def fit_ladder(args: argparse.Namespace) -> int:
     return 0
 
 
+def transfer(args: argparse.Namespace) -> int:
+    """The loss at each learning rate, per size and token budget; the best one marked."""
+    runs = [json.loads(p.read_text()) for p in sorted(Path(args.out).glob("*/ladder.json"))]
+    if not runs:
+        print(f"ladder.py: no finished runs in {args.out}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    lrs = sorted({r["lr"] for r in runs})
+    cells: dict[tuple[int, int, float], dict[float, float]] = {}
+    for r in runs:
+        cells.setdefault((r["width"], r["depth"], r["tokens"]), {})[r["lr"]] = r["loss"]
+    print("| width x depth | tokens | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " | best |")
+    print("|---|---|" + "---|" * len(lrs) + "---|")
+    best_of = {}
+    for key in sorted(cells):
+        losses = cells[key]
+        best = min(losses, key=losses.get)
+        best_of[key] = best
+        row = [
+            f"**{losses[lr]:.4f}**" if lr == best else f"{losses.get(lr, math.nan):.4f}"
+            for lr in lrs
+        ]
+        print(f"| {key[0]}x{key[1]} | {key[2]:g} | " + " | ".join(row) + f" | {best:g} |")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key in sorted(cells):
+        xs = sorted(cells[key])
+        ax.plot(xs, [cells[key][x] for x in xs], marker="o", label=f"width {key[0]}")
+    ax.set_xscale("log")
+    ax.set_xlabel("learning rate")
+    ax.set_ylabel("final loss")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(args.plot) if args.plot else Path(args.out) / "transfer.png"
+    fig.savefig(path, dpi=100)
+    print(f"wrote {path}")
+    return 0
+
+
 def plot(law: Law, points: Sequence[tuple[float, float, float]], path: Path) -> None:
     import matplotlib
 
@@ -342,9 +389,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     fitting.add_argument("--budget", type=float, default=0.0, help="FLOPs to plan for")
     fitting.add_argument("--bootstrap", type=int, default=50)
     fitting.add_argument("--plot", default="")
+    moved = sub.add_parser("transfer", help="the best learning rate of each size")
+    moved.add_argument("out")
+    moved.add_argument("--plot", default="")
     args = parser.parse_args(argv)
     if args.command == "run":
         return run_ladder(args)
+    if args.command == "transfer":
+        return transfer(args)
     return fit_ladder(args)
 
 

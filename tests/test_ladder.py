@@ -83,3 +83,17 @@ def test_a_finished_run_is_not_repeated_and_slurm_gets_an_array(tmp_path, capsys
     runs = (out / "runs.txt").read_text().splitlines()
     assert len(runs) == 2 and "--model.dim 128" in runs[1] and "--training.steps 20" in runs[1]
     assert ladder.main(["run", config, "--sizes", "64by2", "--tokens", "1", "--out", str(out)]) == 2
+
+
+def test_transfer_marks_the_best_learning_rate_of_each_width(tmp_path, capsys) -> None:
+    for width, best in ((64, 1e-2), (128, 3e-3)):
+        for lr in (3e-3, 1e-2):
+            run = tmp_path / ladder.run_name(f"{width}x2", 1e4, lr)
+            run.mkdir(parents=True)
+            loss = 3.0 if lr == best else 3.5
+            record = {"width": width, "depth": 2, "tokens": 1e4, "lr": lr, "loss": loss}
+            (run / "ladder.json").write_text(json.dumps(record))
+    assert ladder.main(["transfer", str(tmp_path)]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 64x2")]
+    assert rows == ["| 64x2 | 10000 | 3.5000 | **3.0000** | 0.01 |"]
+    assert (tmp_path / "transfer.png").exists()

@@ -138,7 +138,9 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     layers = list(next(iter(results[0]["rms"].values())))
-    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(results), figsize=(6 * len(results), 4), squeeze=False, sharey=True
+    )
     for ax, res in zip(axes[0], results, strict=True):
         widths = [int(w) for w in res["rms"]]
         for layer in layers:

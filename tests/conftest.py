@@ -214,6 +214,10 @@ def eight_rank_pool_stops_with_the_module() -> Iterator[None]:
 # two of its four tests are left.
 LONGEST_FIRST = (
     "test_cluster.py",
+    "test_ft_recovery.py",
+    "test_hf_start.py",
+    "test_ft_parity.py",
+    "test_ft.py",
     "test_pipeline.py",
     "test_train_e2e.py",
     "test_parity.py",

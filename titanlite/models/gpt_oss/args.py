@@ -11,7 +11,7 @@ clamped activation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from titanlite.models.decoder_spec import ATTENTION_OVERRIDES
@@ -41,6 +41,9 @@ class GptOssArgs(Qwen3MoeArgs):
     moe_hidden_dim: int = 2880
     sliding_window: int = 128
     window_pattern: str = "LG"
+    layer_types: list[str] = field(default_factory=list)
+    """Each layer's attention kind as Hugging Face's config.json lists them, one per layer:
+    "sliding_attention" (the sliding window) or "full_attention" (empty = window_pattern)."""
     attention_sinks: bool = True
     rope_factor: float = 32.0
     """YaRN: the context extension factor (1 = plain RoPE)."""
@@ -81,8 +84,24 @@ class GptOssArgs(Qwen3MoeArgs):
             "mscale_all_dim": 0.0,
         }
 
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of block ``layer``: layer_types' kind when it is set, else
+        window_pattern's."""
+        if not self.layer_types:
+            return super().layer_window(layer)
+        local = self.layer_types[layer] == "sliding_attention"
+        return self.sliding_window if local and self.sliding_window > 0 else None
+
     def check(self) -> None:
         super().check()
+        kinds = {"full_attention", "sliding_attention"}
+        if self.layer_types and (
+            len(self.layer_types) != self.n_layers or set(self.layer_types) - kinds
+        ):
+            raise ValueError(
+                f"layer_types must list {self.n_layers} (n_layers) kinds, each full_attention "
+                f"or sliding_attention, got {self.layer_types!r}"
+            )
         if self.rope_factor < 1:
             raise ValueError(f"rope_factor must be >= 1, got {self.rope_factor}")
         if self.swiglu_limit <= 0:
@@ -125,6 +144,7 @@ OVERRIDES = (
     "capacity_factor",
     "router_z_loss_coef",
     *ATTENTION_OVERRIDES,
+    "layer_types",
     "rope_factor",
     "rope_original_max_seq_len",
     "rope_beta_fast",

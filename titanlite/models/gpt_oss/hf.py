@@ -5,7 +5,8 @@ Names differ, and the experts' layout: titanlite keeps gate, up and down as thre
 ``b1/b3/b2``); Hugging Face fuses gate and up into ``mlp.experts.gate_up_proj`` [experts,
 dim, 2 x hidden] with the two interleaved (gate in the even columns, up in the odd), likewise
 their biases, and stores ``down_proj`` [experts, hidden, dim] as titanlite does. The sinks are
-``self_attn.sinks``; the window pattern becomes ``layer_types`` and YaRN ``rope_parameters``.
+``self_attn.sinks``; the per-layer windows are ``layer_types`` (read as ``model.layer_types``
+unless they are the default alternation) and YaRN ``rope_parameters``.
 
 Published checkpoints store the experts in MXFP4 (``*_blocks`` + ``*_scales``):
 ``titanlite.interop.mxfp4`` dequantizes them before this adapter sees them.
@@ -152,13 +153,12 @@ def to_hf_config(
     }
 
 
-def _pattern(layer_types: list[str]) -> str:
-    """The shortest L/G string whose repetition gives ``layer_types``."""
-    letters = "".join("G" if t == "full_attention" else "L" for t in layer_types) or "L"
-    for period in range(1, len(letters) + 1):
-        if (letters[:period] * len(letters))[: len(letters)] == letters:
-            return letters[:period]
-    return letters
+def explicit_layer_types(config: Mapping[str, Any]) -> list[str]:
+    """config.json's layer_types when they are not gpt-oss's alternation (sliding first: the
+    default window_pattern "LG"; that one is kept as the pattern, the args stay a flavor's)."""
+    types = [str(t) for t in config.get("layer_types") or []]
+    alternating = [("sliding_attention", "full_attention")[i % 2] for i in range(len(types))]
+    return [] if types == alternating else types
 
 
 def from_hf_config(config: Mapping[str, Any]) -> GptOssArgs:
@@ -169,10 +169,6 @@ def from_hf_config(config: Mapping[str, Any]) -> GptOssArgs:
     def build() -> GptOssArgs:
         n_heads = int(config["num_attention_heads"])
         n_layers = int(config["num_hidden_layers"])
-        types = list(
-            config.get("layer_types")
-            or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
-        )
         yarn = rope.get("rope_type") == "yarn"
         return GptOssArgs(
             dim=int(config["hidden_size"]),
@@ -190,7 +186,7 @@ def from_hf_config(config: Mapping[str, Any]) -> GptOssArgs:
             moe_hidden_dim=int(config["intermediate_size"]),
             aux_loss_coef=float(config.get("router_aux_loss_coef", 0.0)),
             sliding_window=int(config.get("sliding_window") or 0),
-            window_pattern=_pattern(types),
+            layer_types=explicit_layer_types(config),
             rope_factor=float(rope.get("factor", 1.0)) if yarn else 1.0,
             rope_original_max_seq_len=int(rope.get("original_max_position_embeddings", 4096)),
             rope_beta_fast=float(rope.get("beta_fast") or 32.0),

@@ -45,7 +45,8 @@ class Qwen35Args:
     """Every this-many-th layer is full attention, the others Gated DeltaNet (4: 3 : 1)."""
     layer_types: list[str] = field(default_factory=list)
     """Each layer's kind, as Hugging Face's config.json lists them: "full_attention" or
-    "linear_attention", one per layer (empty = every full_attention_interval-th layer full)."""
+    "linear_attention", one per layer (empty = every full_attention_interval-th layer full).
+    gpt_oss's are "full_attention" or "sliding_attention" (empty = window_pattern)."""
     linear_k_heads: int = 16
     """Query/key heads of the Gated DeltaNet layers."""
     linear_v_heads: int = 48

@@ -256,6 +256,15 @@ class Run:
         self.restarts.append(proc)
         return proc
 
+    def restart_output(self, index: int) -> str:
+        """The end of a restarted group's output and of its trace (for a failure's message)."""
+        out = (self.tmp_path / f"restart-{index}.out").read_text()[-4000:]
+        traces = "".join(
+            f"\n--- {p.name}: " + " ".join(p.read_text().splitlines()[-3:])[-1500:]
+            for p in sorted(self.control.glob("trace-*"))
+        )
+        return f"restart {index} output:\n{out}{traces}"
+
     def new_pids(self, group: int, known: set[int], count: int = 1) -> set[int] | None:
         """The ``count`` processes of ``group`` not in ``known``, once all are built."""
         pids = set(markers(self.control, "ready").get(group, [])) - known
@@ -385,7 +394,8 @@ def test_a_killed_group_heals_from_a_live_one_and_rejoins_while_the_others_train
         )
         set_pace(control, 0)  # the rest at full speed
         assert run.launcher.wait(timeout=300) == 137  # the worst group status: group 2's kill
-        assert final.wait(timeout=120) == 0
+        status = final.wait(timeout=120)
+        assert status == 0, run.restart_output(len(run.restarts) - 1)
     finally:
         run.kill_everything()
 

@@ -111,6 +111,12 @@ class ReplicaGroups:
         semi = semi_sync(settings)
         self.semi: SemiSync | None = None
         if semi is not None:
+            if len(parts) != 1:
+                raise UserError(
+                    f"fault_tolerance.semi_sync_method: DiLoCo steps one optimizer per rank, and "
+                    f"this pipeline schedule gives each rank {len(parts)} stages; use a schedule "
+                    "with one stage per rank (1F1B, GPipe)"
+                )
             self.semi = SemiSync(self.manager, semi, parts[0], optimizers[0])
         logger.info(
             "fault tolerance: replica group %d of %d, lighthouse %s%s",

@@ -171,14 +171,9 @@ def _check_semi_sync(f: FaultTolerance, problems: Any) -> None:
 def rules(run: PlannedRun) -> list[str]:
     """What replica groups cannot take yet: each is a decision every group must make alike,
     which today each group would make from its own batch alone."""
-    f, d, lines = run.cfg.fault_tolerance, run.degrees, []
+    f, lines = run.cfg.fault_tolerance, []
     if not f.enable:
         return lines
-    if d is not None and d.pp > 1 and f.semi_sync_method:
-        lines.append(
-            "fault_tolerance: DiLoCo takes one optimizer, and pipeline parallelism gives each "
-            "stage its own; set parallelism.pipeline_parallel_degree to 1 with semi_sync_method"
-        )
     if run.cfg.training.skip_spikes:
         lines.append(
             "fault_tolerance: training.skip_spikes would decide from each group's own loss "

@@ -153,10 +153,8 @@ def assemble_model(
     spec, args = build_model_args(cfg, tokenizer_vocab)
     with torch.device("meta"):
         model = spec.build(args)
-    mup = None
-    if cfg.mup.enable:  # μP: its forward factors now, its init factors once initialized
-        mup = mup_plan(spec, args, cfg.mup.base_dim, cfg.mup.base_head_dim)
-        install_mup(model, mup)
+    # μP: the plan from the family's shapes; its factors once the model is parallelized.
+    mup = mup_plan(spec, args, cfg.mup.base_dim, cfg.mup.base_head_dim) if cfg.mup.enable else None
     num_params = count_params(model)
     active = spec.active_params(args, num_params) if spec.active_params else num_params
     applied = tuple(converters.build(cfg.model.converters, cfg))
@@ -170,11 +168,15 @@ def assemble_model(
         activation_checkpoint=cfg.activation_checkpoint,
         compile=cfg.compile,
         device=device,
-        loss_sum=TrainingLoss.of(cfg.training.z_loss_weight, args),  # (+ z, MTP): loss.py
+        # (+ z, MTP; fused with the projection under training.fused_loss): loss.py
+        loss_sum=TrainingLoss.of(cfg.training.z_loss_weight, args, cfg.training.fused_loss_chunk),
         converters=applied,
         init_weights=init_weights,
         documents=documents,
     )
-    if mup is not None and init_weights and device is not None:
-        scale_init(parallel.parts, mup)
+    if mup is not None:  # on the modules as they run (a deferred head, FSDP, TP)
+        for part in parallel.parts:
+            install_mup(part, mup)
+        if init_weights and device is not None:
+            scale_init(parallel.parts, mup)
     return AssembledModel(spec, args, parallel, num_params, active, applied, mup)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import resource
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -222,9 +223,11 @@ def _pipeline_lines(
     per_set = max(len(plan.stage_blocks[s]) for s in stages) * per_block
     sets = plan.in_flight(pp_rank)
     total = sets * per_set
+    loss = []
     if plan.n_stages - 1 in stages:  # the last stage's share of the sets keeps float32 logits
-        logits = micro * t.seq_len * args.vocab_size * 4 // dims.degrees.tp
-        total += sets // len(stages) * logits
+        kept, peak, line = _loss_bytes(cfg, args, tokens=micro * t.seq_len, tp=dims.degrees.tp)
+        total += (sets // len(stages) - 1) * kept + peak
+        loss = [line]
     note = {"none": "", "full": ", full activation checkpointing"}.get(
         ac, f", {ac} checkpointing counted as none"
     )
@@ -233,9 +236,35 @@ def _pipeline_lines(
         f"{', '.join(map(str, stages))}",
         f"  activations     ~{total / GIB:.2f} GiB at the schedule's peak: {sets} "
         f"(micro-batch, stage) sets of up to {per_set / GIB:.2f} GiB"
-        f"{' + the logits' if plan.n_stages - 1 in stages else ''} (estimate: flash-style "
+        f"{' + the loss' if plan.n_stages - 1 in stages else ''} (estimate: flash-style "
         f"attention{note})",
+        *loss,
     ]
+
+
+def _loss_bytes(cfg: JobConfig, args: Any, *, tokens: int, tp: int) -> tuple[int, int, str]:
+    """(bytes the loss keeps for backward, bytes at its peak, the report's line) for one
+    micro-batch of ``tokens`` on a rank (its vocabulary shard under TP). Unfused: the float32
+    logits are kept (their log-softmax, the same size) and backward adds their gradient and
+    the log-softmax's: 3 copies at the peak, measured on CPU (scripts/bench_memory.py).
+    Fused (training.fused_loss): nothing of vocabulary size is kept; each chunk holds a
+    [tokens, chunk] block and its exponentials or gradient, 2 blocks at the peak."""
+    t = cfg.training
+    vocab = -(-args.vocab_size // tp)
+    logits = tokens * vocab * 4
+    blocks = 2 * tokens * min(t.fused_loss_chunk, vocab) * 4
+    unfused, fused = (logits, 3 * logits), (0, blocks)
+    kept, peak = fused if t.fused_loss else unfused
+    saving = (unfused[1] - fused[1]) / GIB
+    copies = f"3 copies of the {logits / GIB:.2f} GiB float32 logits"
+    chunks = f"2 x [{tokens:,}, {min(t.fused_loss_chunk, vocab):,}] float32 blocks"
+    if t.fused_loss:
+        line = f"fused: ~{peak / GIB:.2f} GiB at its peak ({chunks}); unfused {copies}"
+    else:
+        line = (
+            f"unfused: ~{peak / GIB:.2f} GiB at its peak ({copies}); training.fused_loss {chunks}"
+        )
+    return kept, peak, f"  loss            {line}: {saving:.2f} GiB less fused"
 
 
 def _block_bytes(
@@ -271,8 +300,9 @@ def _activation_lines(
     per_block = _block_bytes(
         cfg, spec, args, dims, sequences=t.local_batch_size, kv_windows=kv_windows
     )
-    logits = t.local_batch_size * (t.seq_len // d.cp) * args.vocab_size * 4 // d.tp
-    total = args.n_layers * per_block + logits
+    tokens = t.local_batch_size * (t.seq_len // d.cp)
+    _, loss, loss_line = _loss_bytes(cfg, args, tokens=tokens, tp=d.tp)
+    total = args.n_layers * per_block + loss
     ac = cfg.activation_checkpoint.mode
     note = {"none": "", "full": ", full activation checkpointing"}.get(
         ac, f", {ac} checkpointing counted as none"
@@ -282,7 +312,8 @@ def _activation_lines(
         f"  activations     ~{total / GIB:.2f} GiB per micro-batch ({t.local_batch_size} "
         f"sequence{'s' if t.local_batch_size > 1 else ''}, {share}: {args.n_layers} blocks x "
         f"{per_block / GIB:.3f} GiB + the "
-        f"logits; estimate: flash-style attention{note})"
+        f"loss; estimate: flash-style attention{note})",
+        loss_line,
     ]
 
 

@@ -50,6 +50,7 @@ def validate(cfg: JobConfig) -> None:
     except ValueError as e:
         problems.add(f"training.seq_len_schedule: {e}")
     require(t.z_loss_weight >= 0, "training.z_loss_weight", "must be >= 0 (0 = off)")
+    require(t.fused_loss_chunk >= 1, "training.fused_loss_chunk", "must be at least 1")
     require(
         set(t.skip_spikes) <= set(SPIKE_VALUES),
         "training.skip_spikes",

@@ -165,6 +165,14 @@ class Training:
     """Weight of the z-loss: this times the mean over target tokens of logsumexp(logits)^2 joins the
     training objective, keeping the output logits from drifting large (1e-4 is usual; 0 = off).
     Logged apart as z_loss; docs/stability.md."""
+    fused_loss: bool = False
+    """Fuse the output projection with the loss: the hidden states are projected and reduced over
+    the vocabulary in chunks (an online log-sum-exp; backward recomputes each chunk), so the
+    [tokens, vocab] logits and their gradient never exist. Same loss and gradients to float32
+    rounding, under every layout; docs/performance.md."""
+    fused_loss_chunk: int = 8192
+    """With fused_loss: vocabulary rows per chunk (per tensor-parallel shard). Each chunk holds a
+    [tokens, chunk] float32 block of logits."""
     skip_spikes: list[str] = field(default_factory=list)
     """Skip the optimizer update of a step whose global value exceeds the mean + spike_sigmas x the
     standard deviation of the last spike_window accepted steps: any of loss, grad_norm (empty =

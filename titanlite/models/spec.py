@@ -129,6 +129,9 @@ class ModelSpec:
     """Modules before the first block (the first pipeline stage holds them)."""
     output_modules: tuple[str, ...] = ("norm", "output")
     """Modules after the last block (the last pipeline stage holds them)."""
+    head: str = "output"
+    """The projection to the vocabulary (a bias-free ``nn.Linear``, one of ``output_modules``):
+    with training.fused_loss the loss takes its weight and the module passes its input on."""
     tied_weights: tuple[str, str] = ("output.weight", "tok_embeddings.weight")
     """(alias, owner): the parameter that is the owner's weight when args.tie_embeddings."""
     overrides: tuple[str, ...] = field(default=())

@@ -137,9 +137,10 @@ def _head_dim(args: Any) -> int:
 
 
 def install(model: nn.Module, p: Plan) -> None:
-    """The forward's factors, as hooks on the (meta) model before it is parallelized: the
-    readout's input times the output multiplier, every attention core's queries times the
-    attention factor."""
+    """The forward's factors, as hooks on a model part as it runs (parallelized; a pipeline
+    stage without the readout gets none there): the readout's input times the output
+    multiplier (with the fused loss, the hidden states it projects), every attention core's
+    queries times the attention factor."""
     if p.output_multiplier != 1.0 and getattr(model, "output", None) is not None:
         factor = p.output_multiplier
         model.output.register_forward_pre_hook(lambda _, args: (args[0] * factor, *args[1:]))

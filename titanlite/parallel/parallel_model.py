@@ -23,18 +23,21 @@ from titanlite.data.batches import IGNORE_INDEX
 from titanlite.parallel.context.attention import ContextParallel
 from titanlite.parallel.ddp import BucketedDDP
 from titanlite.parallel.ddp.collectives import full_tensor
+from titanlite.parallel.head import head_weight
 from titanlite.parallel.pipeline import Pipeline
 
 
 class LossSum(Protocol):
     """The training loss (``titanlite.training.loss.TrainingLoss``): (logits, labels) -> (the
     objective summed over the target tokens, to differentiate; its reported terms, detached,
-    a vector named by ``names`` whose first entry is the cross-entropy)."""
+    a vector named by ``names`` whose first entry is the cross-entropy). Given ``head``,
+    the output projection's weight (training.fused_loss), the first argument is the final
+    hidden states, which the loss projects itself."""
 
     names: tuple[str, ...]
 
     def __call__(
-        self, logits: torch.Tensor, labels: torch.Tensor
+        self, logits: torch.Tensor, labels: torch.Tensor, head: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def targets(self, labels: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
@@ -97,6 +100,10 @@ class ParallelModel:
     mtp_depths: int = 0
     """Multi-token prediction depths of the model (``model.mtp_layers``): training logits
     carry theirs, and the loss gets their targets (``LossSum.targets``)."""
+    head: str | None = None
+    """With training.fused_loss, the module path of the deferred output projection
+    (``titanlite.parallel.head``): the model outputs hidden states, and the loss gets this
+    module's weight to project them itself."""
 
     # ------------------------------------------------------------------ one micro-batch
     def forward_backward(
@@ -111,7 +118,10 @@ class ParallelModel:
                 return self.pipeline.forward_backward(
                     inputs, self.training_labels(inputs, labels), scale
                 )
-            objective, terms = self.loss_sum(self(inputs), self.training_labels(inputs, labels))
+            outputs = self(inputs)
+            labels = self.training_labels(inputs, labels)
+            objective, terms = self.loss_sum(outputs, labels, head=self.head_weight())
+            del outputs  # unfused, the logits: backward needs none of them (one copy less)
             (objective * scale).backward()  # MoE layers add their balancing loss's gradient
         return terms
 
@@ -122,7 +132,8 @@ class ParallelModel:
         with self._train_context():
             if self.pipeline is not None:
                 return self.pipeline.evaluate(inputs, labels)
-            return self.loss_sum(self(inputs), self.local_labels(labels))[1][0]
+            outputs = self(inputs)
+            return self.loss_sum(outputs, self.local_labels(labels), head=self.head_weight())[1][0]
 
     def row_scores(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Forward only, [2, batch]: per row, the summed loss over this rank's target tokens,
@@ -131,13 +142,15 @@ class ParallelModel:
         CP: add both up over the loss group. Under PP the same on every stage."""
         with self._train_context():
             if self.pipeline is not None:
-                return self.pipeline.forward_only(
-                    inputs, labels, _row_scores, width=2, per_row=True
-                )
-            return _row_scores(self(inputs), self.local_labels(labels))
+                pipeline = self.pipeline
+                score = lambda h, y: _row_scores(_logits(h, pipeline.head_weight()), y)  # noqa: E731
+                return pipeline.forward_only(inputs, labels, score, width=2, per_row=True)
+            outputs = self(inputs)
+            return _row_scores(_logits(outputs, self.head_weight()), self.local_labels(labels))
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits of this rank's tokens from whole sequences [batch, seq] of ids: under
+        """Logits of this rank's tokens (with the fused loss, ``head``: the final hidden
+        states, which the loss projects) from whole sequences [batch, seq] of ids: under
         context parallelism the call keeps this rank's chunks itself (document boundaries and
         positions come from the whole sequence), so its logits pair with this rank's labels."""
         if self.pipeline is not None:
@@ -159,6 +172,11 @@ class ParallelModel:
         if positions is None and documents is None and not extra:
             return self.modules[0](tokens)
         return self.modules[0](tokens, positions=positions, documents=documents, **extra)
+
+    def head_weight(self) -> torch.Tensor | None:
+        """The output projection's weight the fused loss applies (None without it); called
+        after the forward."""
+        return None if self.head is None else head_weight(self.parts[0], self.head)
 
     def local_labels(self, labels: torch.Tensor) -> torch.Tensor:
         """This rank's share of a micro-batch's labels, whose loss it computes (its context
@@ -218,6 +236,12 @@ class ParallelModel:
     def train(self, mode: bool = True) -> None:
         for module in self.modules:
             module.train(mode)
+
+
+def _logits(outputs: torch.Tensor, head: torch.Tensor | None) -> torch.Tensor:
+    """The model's outputs as logits: with the fused loss (``head`` given) the hidden states
+    projected (whole, vocabulary-sharded under TP: evaluation batches are small)."""
+    return outputs if head is None else F.linear(outputs, head.to(outputs.dtype)).float()
 
 
 def _row_scores(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

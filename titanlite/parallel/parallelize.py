@@ -2,7 +2,8 @@
 
 The order matters and is the same for every layout:
   0. model converters (``model.converters``, e.g. float8 linears): they replace modules of
-     the whole meta-device model, so every later step sees the converted modules; then,
+     the whole meta-device model, so every later step sees the converted modules; with
+     training.fused_loss the output projection deferred to the loss (``head.py``); then,
      under pipeline parallelism, the model is cut into this rank's stages, and steps 1-6
      apply to each stage as they would to a whole model
   1. tensor parallelism (splits layers; must see the plain modules), then context
@@ -44,6 +45,7 @@ from titanlite.parallel.ddp import BucketedDDP
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.expert import ExpertGrads, apply_ep
 from titanlite.parallel.fsdp import apply_fsdp
+from titanlite.parallel.head import defer_head
 from titanlite.parallel.materialize import materialize
 from titanlite.parallel.parallel_model import DocumentStructure, LossSum, ParallelModel
 from titanlite.parallel.pipeline import Pipeline, split_stage, tied_copy, tied_stage_group
@@ -89,6 +91,9 @@ def parallelize(
     # 0. converters, then pipeline stages: this rank's share of the blocks, each a model.
     for converter in converters:
         converter.convert(model, spec)
+    head = spec.head if t.fused_loss else None
+    if head is not None:  # the loss projects the hidden states itself (titanlite.parallel.head)
+        defer_head(model, spec)
     plan = pipeline_plan(p, d, len(getattr(model, spec.blocks)), t.local_batch_size)
     stage_ids = plan.rank_stages(dims.local_rank("pp")) if plan else []
     parts = [split_stage(model, spec, plan, s) for s in stage_ids] if plan else [model]
@@ -159,6 +164,7 @@ def parallelize(
                 device=device,
                 loss_sum=loss_sum,
                 replicas=replicas,
+                head=head,
             )
     autocast = None if d.dp_shard > 1 or t.mixed_precision_param == "float32" else torch.bfloat16
     result = ParallelModel(
@@ -173,6 +179,7 @@ def parallelize(
         documents=documents,
         gradient_fixes=tuple(fix for fix in fixes if fix is not None),
         mtp_depths=getattr(args, "mtp_layers", 0),
+        head=head,
     )
     if pipeline is not None and spec.experts:
         # The schedule's first step also runs the stages on placeholder tensors to infer
@@ -231,6 +238,7 @@ def _pipeline(
     device: torch.device,
     loss_sum: LossSum,
     replicas: bool,
+    head: str | None,
 ) -> Pipeline:
     """7. The schedule over this rank's stages (``modules``), with the tied embeddings'
     and the replicas' gradient exchanges it runs after each step."""
@@ -243,6 +251,7 @@ def _pipeline(
         device=device,
         loss_sum=loss_sum,
         n_terms=len(loss_sum.names),
+        head=head,
         tied=spec.tied_weights if tie else None,
         tie_group=tied_stage_group(plan, dims) if tie else None,
         # titanlite's DDP engine reduces in backward hooks, one backward per forward: the

@@ -27,6 +27,7 @@ from torch import nn
 from titanlite.config.layout import PipelinePlan
 from titanlite.models.spec import ModelSpec
 from titanlite.parallel.ddp.collectives import all_reduce_after_backward, local_tensor
+from titanlite.parallel.head import head_weight
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +96,9 @@ class Pipeline:
         group: dist.ProcessGroup,
         *,
         device: torch.device,
-        loss_sum: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        loss_sum: Callable[..., tuple[torch.Tensor, torch.Tensor]],
         n_terms: int = 1,
+        head: str | None = None,
         tied: tuple[str, str] | None = None,
         tie_group: dist.ProcessGroup | None = None,
         replica_group: dist.ProcessGroup | None = None,
@@ -123,9 +125,11 @@ class Pipeline:
         self.local = dict(zip(stage_ids, modules, strict=True))
         self.has_first = 0 in stage_ids
         self.has_last = plan.n_stages - 1 in stage_ids
-        # loss_sum(logits, labels) -> (objective, its n_terms reported terms): the last
-        # stage's loss, see titanlite.parallel.parallel_model.LossSum.
+        # loss_sum(logits, labels, head=) -> (objective, its n_terms reported terms): the last
+        # stage's loss, see titanlite.parallel.parallel_model.LossSum. With the fused loss
+        # the last stage outputs hidden states and ``head`` names the projection's module.
         self._loss_sum = loss_sum
+        self._head = head
         self._n_terms = n_terms
         self._scale = 1.0
         self._terms_of: dict[int, torch.Tensor] = {}
@@ -146,8 +150,15 @@ class Pipeline:
             ", ".join(map(str, stage_ids)),
         )
 
+    def head_weight(self) -> torch.Tensor | None:
+        """The last stage's output projection weight under the fused loss (else None): only
+        on the rank that holds the last stage, after its forward."""
+        if self._head is None:
+            return None
+        return head_weight(self.local[self.plan.n_stages - 1], self._head)
+
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        objective, terms = self._loss_sum(logits, labels)
+        objective, terms = self._loss_sum(logits, labels, head=self.head_weight())
         scaled = objective * self._scale
         # The schedule also calls this on placeholder tensors while it infers the backward's
         # shapes (first step): only the losses it reports back are the micro-batches' own.
@@ -220,7 +231,7 @@ class Pipeline:
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The summed loss of a local batch, forward only, the same on every pp rank."""
-        loss = lambda logits, y: self._loss_sum(logits, y)[1][0]  # noqa: E731
+        loss = lambda out, y: self._loss_sum(out, y, head=self.head_weight())[1][0]  # noqa: E731
         return self.forward_only(inputs, labels, loss, width=1, per_row=False).sum()
 
     def forward_only(

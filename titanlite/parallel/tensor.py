@@ -3,7 +3,8 @@
 The plan (``ModelSpec.tp_plan``) names a style per module; this file is the only place that
 turns those names into torch's ParallelStyle objects. Between sub-layers, activations stay
 sharded along the sequence (norms run on their shard); with loss parallel the logits stay
-sharded along the vocabulary and the cross-entropy is computed on the shards.
+sharded along the vocabulary and the cross-entropy is computed on the shards (with the
+fused loss the projection's weight is split the same way and the loss works on its shards).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from torch.distributed.tensor.parallel import (
 
 from titanlite.models.spec import ModelSpec, TPStyle
 from titanlite.parallel.ddp.collectives import all_reduce_after_backward, local_tensor
+from titanlite.parallel.head import DeferredHead, deferred_head_style
 from titanlite.parallel.sequence_shards import SequenceShardGroup
 
 logger = logging.getLogger(__name__)
@@ -207,6 +209,9 @@ def apply_tp(
     tied = shared_parameters(model)
     # A pipeline stage holds only some of the root modules (the others are None).
     root = {path: _style(s, loss_parallel) for path, s in plan.root.items() if _has(model, path)}
+    for path in root:  # the fused loss's head: hidden states replicated, weight split
+        if isinstance(model.get_submodule(path), DeferredHead):
+            root[path] = deferred_head_style()
     parallelize_module(model, tp_mesh, root)
     block_plan = {path: _style(s, loss_parallel) for path, s in plan.block.items()}
     units = [(block, block_plan) for block in getattr(model, spec.blocks).values()]

@@ -13,6 +13,11 @@ logits carry each depth's after the main ones, and the labels are ``mtp_labels``
 and joins the objective times ``model.mtp_loss_weight``. Like every term it is divided by the
 global count of the main loss's target tokens (DeepSeek-V3's 1/T), so it is exact under any
 layout.
+
+With ``training.fused_loss`` the model outputs its final hidden states instead of logits and
+the loss gets the output projection's weight (``head``): every term above is computed from
+each position's log-partition and target logit (``titanlite.training.fused_loss``), equal to
+the unfused terms to float32 rounding, without the [tokens, vocab] logits.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from titanlite.data.batches import IGNORE_INDEX
 from titanlite.parallel.ddp.collectives import full_tensor
 from titanlite.runtime import distributed
+from titanlite.training.fused_loss import head_scores
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -84,27 +90,37 @@ class TrainingLoss:
     evaluation: the logits have no MTP depths) give an MTP term of 0."""
 
     def __init__(
-        self, z_loss_weight: float = 0.0, mtp_layers: int = 0, mtp_weight: float = 0.0
+        self,
+        z_loss_weight: float = 0.0,
+        mtp_layers: int = 0,
+        mtp_weight: float = 0.0,
+        *,
+        chunk: int = 8192,
     ) -> None:
         self.z_loss_weight = z_loss_weight
         self.mtp_layers, self.mtp_weight = mtp_layers, mtp_weight
+        self.chunk = chunk  # vocabulary rows per chunk of the fused loss
         self.names: tuple[str, ...] = (
             ("loss",) + ("z_loss",) * (z_loss_weight > 0) + ("mtp_loss",) * (mtp_layers > 0)
         )
 
     @classmethod
-    def of(cls, z_loss_weight: float, model_args: object) -> TrainingLoss:
-        """The loss of a run: training.z_loss_weight and the model's MTP depths, if any."""
+    def of(cls, z_loss_weight: float, model_args: object, chunk: int = 8192) -> TrainingLoss:
+        """The loss of a run: training.z_loss_weight, the model's MTP depths, if any, and
+        training.fused_loss_chunk."""
         depths = getattr(model_args, "mtp_layers", 0)
-        return cls(z_loss_weight, depths, getattr(model_args, "mtp_loss_weight", 0.0))
+        weight = getattr(model_args, "mtp_loss_weight", 0.0)
+        return cls(z_loss_weight, depths, weight, chunk=chunk)
 
     def targets(self, labels: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
         """The labels ``__call__`` takes in training: with MTP depths, ``mtp_labels``."""
         return mtp_labels(labels, self.mtp_layers, documents) if self.mtp_layers else labels
 
     def __call__(
-        self, logits: torch.Tensor, labels: torch.Tensor
+        self, logits: torch.Tensor, labels: torch.Tensor, head: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if head is not None:
+            return self._fused(logits, labels, head)
         ahead = None
         if labels.dim() == 3:  # mtp_labels: the main labels, then each depth's
             seq = labels.shape[2]
@@ -123,6 +139,32 @@ class TrainingLoss:
             mtp = ce.new_zeros(())
             if ahead is not None:
                 mtp = sum(full_tensor(cross_entropy_sum(x, y)) for x, y in ahead) / len(ahead)
+                objective = objective + self.mtp_weight * mtp
+            terms.append(mtp.detach())
+        return objective, torch.stack(terms)
+
+    def _fused(
+        self, hidden: torch.Tensor, labels: torch.Tensor, head: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``__call__`` from the final hidden states [batch, (1 + depths) x seq, dim] and the
+        output weight: one chunked pass over the vocabulary for the main positions and every
+        depth's together (their hidden states follow each other along the sequence as the
+        labels' rows do)."""
+        rows = labels.shape[1] if labels.dim() == 3 else 1
+        flat = labels.flatten(1)  # [batch, rows x seq], in the order of the hidden states
+        lse, target = head_scores(hidden, head, flat, chunk=self.chunk)
+        counted = flat != IGNORE_INDEX
+        per_row = torch.where(counted, lse - target, 0.0).view(len(flat), rows, -1).sum((0, 2))
+        ce = per_row[0]
+        objective, terms = ce, [ce.detach()]
+        if self.z_loss_weight > 0:
+            main = lse.view(len(flat), rows, -1)[:, 0]
+            main_counted = counted.view(len(flat), rows, -1)[:, 0]
+            z = self.z_loss_weight * torch.where(main_counted, main.square(), 0.0).sum()
+            objective, terms = objective + z, [*terms, z.detach()]
+        if self.mtp_layers > 0:
+            mtp = per_row[1:].mean() if rows > 1 else ce.new_zeros(())
+            if rows > 1:
                 objective = objective + self.mtp_weight * mtp
             terms.append(mtp.detach())
         return objective, torch.stack(terms)

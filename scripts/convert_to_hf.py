@@ -2,6 +2,7 @@
 
     python scripts/convert_to_hf.py outputs/debug/checkpoint/step-100 hf/debug [--dtype bfloat16]
     python scripts/convert_to_hf.py ... --ema    # the average of the weights (training.ema_decay)
+    python scripts/convert_to_hf.py ... --merge-lora  # a LoRA run: adapters merged into the base
 
 Writes config.json, model.safetensors (or model-0000X-of-0000Y.safetensors + an index when
 larger than --max-shard-size) and the tokenizer (sentencepiece or tokenizer.json), loadable with
@@ -40,6 +41,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="export the checkpoint's average of the weights (training.ema_decay)",
     )
     parser.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="a LoRA run's checkpoint: merge its adapters into the base model it trained on",
+    )
+    parser.add_argument(
         "--tokenizer",
         type=Path,
         help="sentencepiece model or tokenizer.json (default: the checkpoint's)",
@@ -60,6 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 max_shard_bytes=parse_size(args.max_shard_size),
                 ema=args.ema,
                 tokenizer=args.tokenizer,
+                merge_lora=args.merge_lora,
             )
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

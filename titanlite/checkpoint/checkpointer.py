@@ -162,6 +162,7 @@ class Checkpointer:
             "model_name": self.identity.name,
             "model_args": self.identity.args,
             **self.sidecar_fields,
+            **loading.base_fields(self.states, self.cfg, model_only),
             "checksum_ranks": dist.get_world_size(),  # __0 .. __N-1.sha256.json (integrity)
             "time": time.time(),
             "states": copy.deepcopy(plain),  # written later, while training changes the states

@@ -68,9 +68,41 @@ def resume_path(cfg: CheckpointConfig, folder: Path) -> Path | None:
 
 def will_load_weights(cfg: CheckpointConfig, folder: Path) -> bool:
     """Whether loading at start-up overwrites every weight (so initializing them is wasted)."""
-    if resume_path(cfg, folder) is not None:
+    path = resume_path(cfg, folder)
+    if path is not None:
+        if read_sidecar(path).get("adapters_only"):  # the frozen base: loaded, or the seed's
+            return bool(cfg.initial_load_path)
         return "model" not in cfg.exclude_from_loading
     return cfg.enable and bool(cfg.initial_load_path)
+
+
+def base_fields(states: dict[str, Stateful], cfg: CheckpointConfig, model_only: bool) -> dict:
+    """Sidecar fields of a checkpoint that holds only the trained weights of a model with
+    frozen ones (LoRA): that it does, and the base they were loaded from (None: the seed's)."""
+    model = states["model"]
+    if model_only or not getattr(model, "frozen", False):
+        return {}
+    return {"adapters_only": True, "base": _resolved(cfg.initial_load_path), **model.adapters()}
+
+
+def _resolved(path: str) -> str | None:
+    return str(Path(path).resolve()) if path else None
+
+
+def _load_base(
+    states: dict[str, Stateful], cfg: CheckpointConfig, identity: ModelIdentity, folder: Path
+) -> None:
+    """The frozen weights of a model with trained adapters, from checkpoint.initial_load_path
+    (a Hugging Face folder or a titanlite checkpoint): the weights only."""
+    path = Path(cfg.initial_load_path)
+    view = {"model": states["model"].base_view()}
+    foreign = formats.recognized(path)
+    if foreign is not None:
+        reader = foreign.open_reader(path, identity.name, identity.args)
+        _read(view, reader, ["model"], path=path, plain={})
+    else:
+        _load(view, path, ["model"], identity=identity, folder=folder)
+    logger.info("frozen base weights from %s", path)
 
 
 def load(
@@ -80,6 +112,16 @@ def load(
     collective. True when training state (not just weights) was restored."""
     path = resume_path(cfg, folder)
     if path is not None:
+        meta = read_sidecar(path)
+        if meta.get("adapters_only"):
+            if meta.get("base") != _resolved(cfg.initial_load_path):
+                raise UserError(
+                    f"checkpoint folder {str(path)!r} holds adapters trained on the base "
+                    f"{meta.get('base')!r}; this run's checkpoint.initial_load_path is "
+                    f"{cfg.initial_load_path!r} (set it to that base)"
+                )
+            if cfg.initial_load_path:
+                _load_base(states, cfg, identity, folder)
         keys = [k for k in states if k not in cfg.exclude_from_loading]
         while True:
             try:
@@ -96,6 +138,9 @@ def load(
         logger.info("resumed from %s (step %d)", path, read_sidecar(path)["step"])
         return True
     if cfg.enable and cfg.initial_load_path:
+        if getattr(states["model"], "frozen", False):  # a base to train adapters on
+            _load_base(states, cfg, identity, folder)
+            return False
         path = Path(cfg.initial_load_path)
         foreign = formats.recognized(path)
         if foreign is not None:  # a Hugging Face folder: the weights, read where they go

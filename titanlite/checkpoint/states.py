@@ -31,21 +31,73 @@ logger = logging.getLogger(__name__)
 
 
 class ModelState(Stateful):
-    """The weights of every model part (one part, or one per pipeline stage), by name."""
+    """The weights of every model part (one part, or one per pipeline stage), by name.
+
+    A model with frozen weights (LoRA's base, ``titanlite.converters.lora``) keeps only its
+    trained ones in training checkpoints (``frozen``): the frozen ones never change and come
+    back from the base they were loaded from (``base_view``), or from the seed."""
 
     def __init__(self, parts: Sequence[nn.Module]):
         self.parts = list(parts)
+        self.frozen = any(not p.requires_grad for part in self.parts for p in part.parameters())
 
-    def state_dict(self) -> dict[str, Any]:
+    def whole_state_dict(self) -> dict[str, Any]:
         merged: dict[str, Any] = {}
         for part in self.parts:
             merged.update(get_model_state_dict(part))
         return merged
 
+    def state_dict(self) -> dict[str, Any]:
+        whole = self.whole_state_dict()
+        return {k: v for k, v in whole.items() if k in self._trained()} if self.frozen else whole
+
+    def _trained(self) -> set[str]:
+        return {n for part in self.parts for n, p in _named_params(part) if p.requires_grad}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        own = self.state_dict().keys()
+        options = StateDictOptions(strict=not self.frozen)
         for part in self.parts:
-            own = get_model_state_dict(part).keys()
-            set_model_state_dict(part, {k: state[k] for k in own})
+            mine = get_model_state_dict(part).keys() & own
+            set_model_state_dict(part, {k: state[k] for k in mine}, options=options)
+
+    def adapters(self) -> dict[str, Any]:
+        """What an export needs to merge the trained low-rank updates into their weights:
+        each update's scale (``scale`` of the modules that have ``adapter_init``)."""
+        scales = {
+            m.scale for part in self.parts for m in part.modules() if hasattr(m, "adapter_init")
+        }
+        return {"adapter_scale": scales.pop()} if len(scales) == 1 else {}
+
+    def base_view(self) -> Stateful:
+        """The frozen weights alone, as a state to load a base model's checkpoint into."""
+        return _FrozenWeights(self)
+
+
+def _named_params(part: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Parameters by the names ``get_model_state_dict`` gives them (wrappers' prefixes out)."""
+    prefixes = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+    named = []
+    for name, param in part.named_parameters():
+        for prefix in prefixes:
+            name = name.replace(prefix, "")
+        named.append((name, param))
+    return named
+
+
+class _FrozenWeights(Stateful):
+    def __init__(self, model: ModelState):
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        trained = self.model._trained()
+        return {k: v for k, v in self.model.whole_state_dict().items() if k not in trained}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        options = StateDictOptions(strict=False)
+        for part in self.model.parts:
+            mine = get_model_state_dict(part).keys() & state.keys()
+            set_model_state_dict(part, {k: state[k] for k in mine}, options=options)
 
 
 class OptimizerState(Stateful):

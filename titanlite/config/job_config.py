@@ -125,6 +125,10 @@ class Training:
     dataset_path: str = ""
     """Local .txt/.jsonl/.json/.parquet file or folder; when set it is read instead of the dataset's
     default source."""
+    dataset_format: Literal["text", "chat"] = "text"
+    """text: documents to pack; chat: conversations in dataset_path (.jsonl lines of messages with
+    role/content, or prompt/completion), rendered with the tokenizer's chat template, the loss on
+    the assistants' tokens only (docs/finetuning.md)."""
     dataset_config: str = ""
     """Hub dataset configuration name (e.g. "en" for allenai/c4)."""
     text_field: str = "text"

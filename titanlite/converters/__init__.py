@@ -31,7 +31,7 @@ from typing import Any
 
 from titanlite.config.catalog import Section
 from titanlite.config.planned import Rule
-from titanlite.converters import float8_settings
+from titanlite.converters import float8_settings, lora_settings
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,12 @@ REGISTRY: dict[str, ConverterEntry] = {
         replaces="nn.Linear -> torchao Float8Linear, but the output projection and routers",
         refuses=float8_settings.refuses,
         section=float8_settings.SECTION,
+    ),
+    "lora": ConverterEntry(
+        module="titanlite.converters.lora",
+        replaces="chosen nn.Linear -> LoraLinear (frozen weight + trained low-rank update)",
+        refuses=lora_settings.refuses,
+        section=lora_settings.SECTION,
     ),
 }
 """Name -> entry."""

@@ -32,6 +32,8 @@ def data_spec(training: Training, validation: Validation) -> DataSpec:
         seed=t.seed,
         validation_fraction=validation.holdout_fraction,
         split_by_rank=t.split_by_rank,
+        chat=t.dataset_format == "chat",
+        document_mask=t.document_mask,
     )
 
 
@@ -46,7 +48,12 @@ def build_dataloader(
 ) -> Loader:
     """The loader for ``split`` of one source as seen by data-parallel rank ``dp_rank`` of
     ``dp_world_size`` (a pre-tokenized folder when ``spec.dataset_path`` is one, else a text
-    stream read ahead by a background thread unless ``prefetch`` is False)."""
+    stream read ahead by a background thread unless ``prefetch`` is False; conversations
+    when ``spec.chat``)."""
+    if spec.chat:
+        from titanlite.data.chat_loader import ChatLoader
+
+        return ChatLoader(tokenizer, spec, dp_rank, dp_world_size, split=split)
     if is_token_folder(spec.dataset_path):
         from titanlite.data.token_loader import TokenLoader
 

@@ -36,6 +36,11 @@ class DataSpec:
     """Fraction of documents held out for validation (by a stable hash of each document)."""
     split_by_rank: bool = _T.split_by_rank
     """Train split of a text source: each data-parallel rank reads only its own shards."""
+    chat: bool = False
+    """dataset_path holds conversations (training.dataset_format = "chat",
+    ``titanlite.data.chat_loader``)."""
+    document_mask: bool = _T.document_mask
+    """Attention stays within documents: chat data packs several conversations per window."""
     infinite: bool = True
     """Train split loops over epochs forever; False makes one pass. Validation is always
     one pass."""

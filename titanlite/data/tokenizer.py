@@ -359,6 +359,12 @@ class HFTokenizer(Tokenizer):
     def token_text(self, token_id: int) -> str:
         return self._tok.id_to_token(token_id)
 
+    def encode_spans(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids of ``text`` as transformers encodes a rendered chat (nothing added), and the
+        character span each token came from."""
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
     def copy_files(self, folder: Path) -> Path:
         shutil.copyfile(self.path, folder / HF_TOKENIZER_FILE)
         if self.config_path.is_file():

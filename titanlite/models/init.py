@@ -300,9 +300,11 @@ def init_parameters(
     *,
     locate: Callable[[torch.Tensor], Block] = whole,
     aliases: Mapping[str, str] | None = None,
+    only: Callable[[str], bool] | None = None,
 ) -> int:
-    """Initialize every parameter of ``model`` (tied ones once) from its rule, computing
-    only the elements ``locate`` says this rank holds. Returns the elements written.
+    """Initialize every parameter of ``model`` (tied ones once; with ``only``, those whose
+    name it accepts) from its rule, computing only the elements ``locate`` says this rank
+    holds. Returns the elements written.
 
     ``aliases`` maps a parameter name to the name whose values it takes: a tied weight's
     copy on another pipeline stage starts as the owner does."""
@@ -315,6 +317,8 @@ def init_parameters(
         local, shape, offset = locate(param)
         name = canonical_name(name)
         name = (aliases or {}).get(name, name)
+        if only is not None and not only(name):
+            continue
         fill_local_(local, rule_of(name), seed, name, global_shape=shape, global_offset=offset)
         written += local.numel()
     return written

@@ -45,6 +45,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from titanlite.models.spec import InitRule
+
 
 @dataclass(frozen=True)
 class Mask:
@@ -206,6 +208,21 @@ class RoutedExperts(nn.Module):
         self.dispatch: (
             Callable[[torch.Tensor, torch.Tensor, Callable[..., torch.Tensor]], torch.Tensor] | None
         ) = None
+
+
+class LowRankLinear(nn.Linear):
+    """A linear whose output adds a trained low-rank update, ``x A^T B^T`` times ``scale``
+    (LoRA, ``titanlite.converters.lora``): its own parameters ``lora_a`` [rank, in] and
+    ``lora_b`` [out, rank] beside the (usually frozen) ``weight``.
+
+    Tensor parallelism splits the factors to match the weight: a column-wise weight (outputs
+    split) keeps A whole and splits B's rows; a row-wise weight (inputs split) splits A's
+    columns and keeps B whole, so each rank's update is its share of the whole one.
+    Initialization takes ``adapter_init`` (A random, B zero: the update starts at zero), even
+    when a checkpoint is about to overwrite the other weights."""
+
+    adapter_init: dict[str, InitRule]
+    """Parameter name (``lora_a``, ``lora_b``) -> how it starts."""
 
 
 def find(model: nn.Module, kind: type[Any]) -> list[Any]:

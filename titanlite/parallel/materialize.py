@@ -17,8 +17,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from titanlite.models.init import Block, init_parameters, whole
-from titanlite.models.spec import ModelSpec
+from titanlite.models.init import Block, canonical_name, init_parameters, whole
+from titanlite.models.interfaces import LowRankLinear
+from titanlite.models.spec import InitRule, ModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,16 @@ def allocate(model: nn.Module, device: torch.device | str) -> None:
         torch.__future__.set_swap_module_params_on_conversion(swap)
 
 
+def adapter_rules(model: nn.Module) -> dict[str, InitRule]:
+    """Parameter name -> rule of every low-rank adapter's factors (``LowRankLinear``)."""
+    return {
+        canonical_name(f"{path}.{name}"): rule
+        for path, module in model.named_modules()
+        if isinstance(module, LowRankLinear)
+        for name, rule in module.adapter_init.items()
+    }
+
+
 def materialize(
     model: nn.Module,
     spec: ModelSpec,
@@ -70,14 +81,18 @@ def materialize(
     allocate(model, device)
     spec.init_buffers(model)
     allocated = time.perf_counter()
+    # Low-rank adapters (LoRA) start by their own rules, and always: the checkpoint that
+    # overwrites the weights (the base model) does not hold them.
+    adapters = adapter_rules(model)
     written = 0
-    if init_weights:
+    if init_weights or adapters:
         written = init_parameters(
             model,
-            lambda name: spec.init_rule(args, name),
+            lambda name: adapters.get(name) or spec.init_rule(args, name),
             seed,
             locate=local_block,
             aliases=aliases,
+            only=None if init_weights else adapters.__contains__,
         )
     done = time.perf_counter()
     logger.info(

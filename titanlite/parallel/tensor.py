@@ -35,6 +35,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from titanlite.models.interfaces import LowRankLinear
 from titanlite.models.spec import ModelSpec, TPStyle
 from titanlite.parallel.ddp.collectives import all_reduce_after_backward, local_tensor
 from titanlite.parallel.head import DeferredHead, deferred_head_style
@@ -111,6 +112,36 @@ class ShardChannels(ParallelStyle):
         return module
 
 
+def _distribute(module: nn.Module, mesh: DeviceMesh, placements: dict[str, Any]) -> None:
+    for name, placement in placements.items():
+        param = getattr(module, name)
+        if param is not None:
+            shard = distribute_tensor(param, mesh, [placement])
+            module.register_parameter(name, nn.Parameter(shard, param.requires_grad))
+
+
+class Colwise(ColwiseParallel):
+    """torch's column-wise split; a low-rank update's factors (``LowRankLinear``) split to
+    match: A whole on every rank, B's rows (the outputs) like the weight's."""
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        if not isinstance(module, LowRankLinear):
+            return super()._partition_linear_fn(name, module, mesh)
+        s = Shard(0)
+        _distribute(module, mesh, {"weight": s, "bias": s, "lora_a": Replicate(), "lora_b": s})
+
+
+class Rowwise(RowwiseParallel):
+    """torch's row-wise split; a low-rank update's A split by its columns (the inputs) like
+    the weight, B whole: each rank's update is a partial sum, reduced with the weight's."""
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        if not isinstance(module, LowRankLinear):
+            return super()._partition_linear_fn(name, module, mesh)
+        s, r = Shard(1), Replicate()
+        _distribute(module, mesh, {"weight": s, "bias": r, "lora_a": s, "lora_b": r})
+
+
 def _local_inputs(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(local_tensor(a) for a in args)  # DTensors to local tensors, the rest as is
 
@@ -153,9 +184,9 @@ def _style(name: TPStyle, loss_parallel: bool) -> ParallelStyle:
     if name == "gather_input":
         return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     if name == "colwise":
-        return ColwiseParallel()
+        return Colwise()
     if name == "rowwise":
-        return RowwiseParallel(output_layouts=Shard(1))
+        return Rowwise(output_layouts=Shard(1))
     if name == "output":
         return ColwiseParallel(
             input_layouts=Shard(1),
@@ -207,6 +238,9 @@ def apply_tp(
     each rank's own tokens, whose gradients need a sum over TP (``LocalTokenGrads``)."""
     plan = spec.tp_plan
     tied = shared_parameters(model)
+    # Some of torch's styles (SequenceParallel) make every parameter they replace trainable;
+    # frozen ones (a LoRA converter's base weights) must stay frozen.
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     # A pipeline stage holds only some of the root modules (the others are None).
     root = {path: _style(s, loss_parallel) for path, s in plan.root.items() if _has(model, path)}
     for path in root:  # the fused loss's head: hidden states replicated, weight split
@@ -226,6 +260,9 @@ def apply_tp(
     # Tied weights (embedding and output) are both split along the vocabulary, so the
     # owner's shards serve the alias too.
     retie(model, tied)
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
     logger.info(
         "applied tensor parallelism (degree %d) with sequence parallelism%s",
         tp_mesh.size(),

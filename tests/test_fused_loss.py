@@ -154,8 +154,9 @@ def test_the_8b_dry_run_shows_the_loss_with_and_without_fusing() -> None:
 
 STEPS = 8
 # deepseek_v3's debug model with dense blocks only (routing flips would amplify rounding),
-# one multi-token prediction depth, z-loss on, tied embeddings, the vocabulary of 4,096 in 14
-# chunks (7 per rank under tp 2).
+# two multi-token prediction depths (under FSDP the first is resharded before the head reads
+# its output: its final norm must run inside it), z-loss on, tied embeddings, the vocabulary
+# of 4,096 in 14 chunks (7 per rank under tp 2).
 DSV3 = [
     "--model.name",
     "deepseek_v3",
@@ -166,7 +167,7 @@ DSV3 = [
     "--model.q_lora_rank",
     "32",
     "--model.mtp_layers",
-    "1",
+    "2",
     "--model.mtp_loss_weight",
     "0.3",
     "--model.tie_embeddings",

@@ -178,8 +178,8 @@ class Decoder(nn.Module):
         # Each depth's logits follow the main ones along the sequence.
         predicted = []
         for e, depth in zip(embedded, self.mtp.values(), strict=True):
-            h = depth(e, h, rope, documents)
-            predicted.append(self.output(depth.norm(h)).float())
+            h, normed = depth(e, h, rope, documents)
+            predicted.append(self.output(normed).float())
         return torch.cat([logits, *predicted], dim=1)
 
     def init_buffers(self) -> None:

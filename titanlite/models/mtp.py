@@ -40,9 +40,14 @@ class MTPDepth(nn.Module):
         hidden: torch.Tensor,
         rope: torch.Tensor,
         documents: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this depth's hidden state, for the next depth; the same normalized, for the output
+        head). The final norm runs here, inside the depth's forward, so that under FSDP its
+        weight is gathered with the depth's (a depth other than the last is resharded once its
+        forward returns)."""
         joined = torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1)
-        return self.block(self.eh_proj(joined), rope, documents=documents)
+        hidden = self.block(self.eh_proj(joined), rope, documents=documents)
+        return hidden, self.norm(hidden)
 
 
 def tokens_ahead(tokens: torch.Tensor, depth: int) -> torch.Tensor:

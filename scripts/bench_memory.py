@@ -10,13 +10,23 @@ not). One process per run, so this is the peak per rank. tokens/s is the median 
 run's logged steps after the first (warm-up).
 
 The model is a Llama of the same shape on both sides (titanlite's debugmodel shape with
---dim/--layers/--heads; vocabulary 128,256 by default), fp32, no activation checkpointing,
-no compile, seq_len 2,048. From each side's peaks at the measured batch sizes (a straight
-line: peak grows with the batch by a fixed amount per sequence), the largest batch that
-fits --limit-gib is reported too.
+--dim/--layers/--heads; vocabulary 128,256 by default), fp32, no activation checkpointing
+(titanlite: --ac to compare its modes), no compile, seq_len 2,048. From each side's peaks at
+the measured batch sizes (a straight line: peak grows with the batch by a fixed amount per
+sequence), the largest batch that fits --limit-gib is estimated; --fit then finds it by
+running: each side at the estimate and next to it, with its data memory limited to
+--limit-gib (RLIMIT_DATA, which torch's allocations count against; a run past it fails).
+
+titanlite's runs record their memory per phase (profiling.enable_memory_snapshot: the
+timeline of the last step); "kept" is what the forward left resident for backward (the
+activations), read from it. --rounds N runs every configuration N times, interleaved, and
+reports the median tokens/s (a busy machine moves single runs by 2x).
 
     python scripts/bench_memory.py                                  # the table (~15 min)
     python scripts/bench_memory.py --batches 1,2 --steps 3 --sides fused
+    python scripts/bench_memory.py --sides unfused,fused --batches 1,2 --rounds 3 --steps 6
+    python scripts/bench_memory.py --sides fused --ac none,selective:op,selective:2,full
+    python scripts/bench_memory.py --limit-gib 6 --fit --steps 2
     python scripts/bench_memory.py --torchtitan /tmp/ttcpu/bin/python --json out.json
 
 TorchTitan set-up: /work/shared/tools/ttcpu/README.md (a venv outside the repository).
@@ -27,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -49,17 +60,39 @@ class Result:
     tokens_per_s: float
     steps: int
     seconds: float
+    ac: str = "none"
+    kept_gib: float | None = None  # resident after the forward minus before it (titanlite)
 
 
-def measured(cmd: list[str], env: dict[str, str], log: Path) -> tuple[int, float]:
+class OverLimit(Exception):
+    """A run under --fit's memory limit did not complete."""
+
+
+def measured(
+    cmd: list[str], env: dict[str, str], log: Path, limit_bytes: int | None = None
+) -> tuple[int, float]:
     """Run ``cmd`` to its end: (peak resident bytes of it and its waited-for children,
-    seconds). Its output goes to ``log``; a failure stops the benchmark with its tail."""
+    seconds). Its output goes to ``log``; a failure stops the benchmark with its tail, or
+    under ``limit_bytes`` (each process's data memory) raises OverLimit."""
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_DATA, (limit_bytes, limit_bytes))
+
     start = time.perf_counter()
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+        proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            preexec_fn=limited if limit_bytes else None,
+        )
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
+        if limit_bytes:
+            raise OverLimit(log.read_text()[-300:])
         tail = log.read_text()[-3000:]
         raise SystemExit(f"{' '.join(cmd[:4])} ... failed ({proc.returncode}):\n{tail}")
     return usage.ru_maxrss * 1024, time.perf_counter() - start
@@ -69,8 +102,18 @@ def median_after_first(values: list[float]) -> float:
     return statistics.median(values[1:] if len(values) > 1 else values)
 
 
-def titanlite_run(args: argparse.Namespace, batch: int, fused: bool, folder: Path) -> Result:
-    dump = folder / f"titanlite-{'fused' if fused else 'unfused'}-{batch}"
+def titanlite_run(
+    args: argparse.Namespace,
+    batch: int,
+    fused: bool,
+    folder: Path,
+    *,
+    ac: str = "none",
+    limit_bytes: int | None = None,
+) -> Result:
+    side = "fused" if fused else "unfused"
+    dump = folder / f"titanlite-{side}-{batch}-{ac.replace(':', '')}-{time.monotonic_ns()}"
+    mode, _, option = ac.partition(":")
     cmd = [
         sys.executable,
         "-m",
@@ -86,14 +129,23 @@ def titanlite_run(args: argparse.Namespace, batch: int, fused: bool, folder: Pat
         *("--training.fused_loss_chunk", str(args.chunk)),
         *("--validation.enable", "false", "--checkpoint.enable", "false"),
         *("--lr_scheduler.warmup_steps", "2", "--job.dump_folder", str(dump)),
+        *("--activation_checkpoint.mode", mode or "none"),
+        *("--activation_checkpoint.selective_ac_option", option or "1"),
+        # the last step's memory per phase (profile_freq: at least 2)
+        *("--profiling.enable_memory_snapshot", "--profiling.profile_freq", str(args.steps)),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    peak, seconds = measured(cmd, env, folder / f"{dump.name}.log")
+    peak, seconds = measured(cmd, env, folder / f"{dump.name}.log", limit_bytes)
     lines = (dump / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
     tps = [r["tps"] for r in records if "kind" not in r and "tps" in r]
-    side = "fused" if fused else "unfused"
-    return Result(side, batch, peak / GIB, median_after_first(tps), len(tps), seconds)
+    kept = None
+    for timeline in dump.glob("memory_snapshot/*/rank0_memory_timeline.json"):
+        phases = json.loads(timeline.read_text())["phases"]
+        forward = [e for e in phases if e["phase"] == "forward"]
+        kept = sum(e["rss_end_bytes"] - e["rss_start_bytes"] for e in forward) / GIB
+    tokens_per_s = median_after_first(tps)
+    return Result(side, batch, peak / GIB, tokens_per_s, len(tps), seconds, ac, kept)
 
 
 def torchtitan_assets(folder: Path) -> tuple[Path, Path]:
@@ -121,7 +173,9 @@ def torchtitan_assets(folder: Path) -> tuple[Path, Path]:
     return assets, data
 
 
-def torchtitan_run(args: argparse.Namespace, batch: int, folder: Path) -> Result:
+def torchtitan_run(
+    args: argparse.Namespace, batch: int, folder: Path, *, limit_bytes: int | None = None
+) -> Result:
     assets, data = torchtitan_assets(folder)
     steps_file = folder / f"torchtitan-{batch}.jsonl"
     flavor = {
@@ -153,7 +207,7 @@ def torchtitan_run(args: argparse.Namespace, batch: int, folder: Path) -> Result
         "TT_STEPS_JSONL": str(steps_file),
     }
     env.pop("PYTHONPATH", None)
-    peak, seconds = measured(cmd, env, folder / f"torchtitan-{batch}.log")
+    peak, seconds = measured(cmd, env, folder / f"torchtitan-{batch}.log", limit_bytes)
     records = [json.loads(line) for line in steps_file.read_text().splitlines()]
     tps = [r["tps"] for r in records]
     return Result("torchtitan", batch, peak / GIB, median_after_first(tps), len(tps), seconds)
@@ -172,20 +226,71 @@ def largest_batch(results: list[Result], limit_gib: float) -> str:
 
 
 def table(results: list[Result], limit_gib: float) -> str:
-    rows = ["| side | batch | peak RSS (GiB) | tokens/s | steps | wall (s) |", "|---" * 6 + "|"]
-    for r in results:
+    """One row per configuration: the median over its rounds."""
+    rows = [
+        "| side | AC | batch | peak RSS (GiB) | kept by forward (GiB) | tokens/s | rounds |",
+        "|---" * 7 + "|",
+    ]
+    configs = sorted({(r.side, r.ac, r.batch) for r in results}, key=lambda c: (c[2], c[0]))
+    for side, ac, batch in configs:
+        mine = [r for r in results if (r.side, r.ac, r.batch) == (side, ac, batch)]
+        peak = statistics.median(r.peak_gib for r in mine)
+        tokens_per_s = statistics.median(r.tokens_per_s for r in mine)
+        kept = [r.kept_gib for r in mine if r.kept_gib is not None]
+        kept_cell = f"{statistics.median(kept):.2f}" if kept else "-"
         rows.append(
-            f"| {r.side} | {r.batch} | {r.peak_gib:.2f} | {r.tokens_per_s:,.0f} | {r.steps} "
-            f"| {r.seconds:.0f} |"
+            f"| {side} | {ac} | {batch} | {peak:.2f} | {kept_cell} | {tokens_per_s:,.0f} "
+            f"| {len(mine)} |"
         )
     rows.append("")
     for side in SIDES:
-        mine = [r for r in results if r.side == side]
+        mine = [r for r in results if r.side == side and r.ac == "none"]
         if mine:
             rows.append(
                 f"largest batch under {limit_gib:g} GiB, {side}: {largest_batch(mine, limit_gib)}"
             )
     return "\n".join(rows)
+
+
+def run(
+    args: argparse.Namespace,
+    side: str,
+    batch: int,
+    folder: Path,
+    *,
+    ac: str = "none",
+    limit_bytes: int | None = None,
+) -> Result:
+    if side == "torchtitan":
+        return torchtitan_run(args, batch, folder, limit_bytes=limit_bytes)
+    fused = side == "fused"
+    return titanlite_run(args, batch, fused, folder, ac=ac, limit_bytes=limit_bytes)
+
+
+def fit(args: argparse.Namespace, side: str, estimate: int, folder: Path) -> int:
+    """The largest batch whose run completes with its data memory limited to --limit-gib,
+    searched by running from ``estimate`` (0: not even one sequence)."""
+    limit = int(args.limit_gib * GIB)
+
+    def fits(batch: int) -> bool:
+        try:
+            result = run(args, side, batch, folder, limit_bytes=limit)
+        except OverLimit:
+            print(f"{side}, batch {batch}: over {args.limit_gib:g} GiB", flush=True)
+            return False
+        print(f"{side}, batch {batch}: fits ({result.peak_gib:.2f} GiB peak)", flush=True)
+        return True
+
+    batch = max(1, estimate)
+    if fits(batch):
+        while fits(batch + 1):
+            batch += 1
+        return batch
+    while batch > 1:
+        batch -= 1
+        if fits(batch):
+            return batch
+    return 0
 
 
 def main() -> None:
@@ -201,7 +306,11 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--chunk", type=int, default=8192, help="training.fused_loss_chunk")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    modes_help = "titanlite's activation checkpointing: none, full, selective:op, selective:N"
+    p.add_argument("--ac", default="none", help=modes_help + " (comma-separated)")
+    p.add_argument("--rounds", type=int, default=1, help="runs of every configuration")
     p.add_argument("--limit-gib", type=float, default=16.0)
+    p.add_argument("--fit", action="store_true", help="run to find the largest batch under it")
     p.add_argument("--torchtitan", default="/tmp/ttcpu/bin/python", help="its venv's python")
     p.add_argument("--json", default="", help="also write the rows here")
     args = p.parse_args()
@@ -211,29 +320,40 @@ def main() -> None:
     unknown = sorted(set(sides) - set(SIDES))
     if unknown:
         sys.exit(f"--sides: unknown {', '.join(unknown)}; valid: {', '.join(SIDES)}")
+    if args.steps < 2:
+        sys.exit("--steps: at least 2 (the optimizer's state exists from the second step)")
     if "torchtitan" in sides and not Path(args.torchtitan).exists():
         sys.exit(f"--torchtitan: {args.torchtitan} not found (set-up: {TTCPU}/README.md)")
+    modes = args.ac.split(",")
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:
         folder = Path(tmp)
-        for batch in sorted(set(batches + fused_batches)):
+        for _ in range(args.rounds):
+            for batch in sorted(set(batches + fused_batches)):
+                for side in sides:
+                    if batch not in batches and side != "fused":
+                        continue
+                    for ac in modes if side != "torchtitan" else ["none"]:
+                        result = run(args, side, batch, folder, ac=ac)
+                        print(json.dumps(asdict(result)), flush=True)
+                        results.append(result)
+        found = {}
+        if args.fit:
             for side in sides:
-                if batch not in batches and side != "fused":
-                    continue
-                if side == "torchtitan":
-                    result = torchtitan_run(args, batch, folder)
-                else:
-                    result = titanlite_run(args, batch, side == "fused", folder)
-                print(json.dumps(asdict(result)), flush=True)
-                results.append(result)
+                mine = [r for r in results if r.side == side and r.ac == "none"]
+                estimate = largest_batch(mine, args.limit_gib)
+                found[side] = fit(args, side, int(estimate) if estimate != "-" else 1, folder)
     shape = (
         f"Llama dim {args.dim}, {args.layers} layers, {args.heads} heads, vocabulary "
-        f"{args.vocab:,}, seq_len {args.seq_len:,}, fp32, no AC, {args.threads} threads"
+        f"{args.vocab:,}, seq_len {args.seq_len:,}, fp32, {args.threads} threads"
     )
     print(f"\n{shape}\n\n{table(results, args.limit_gib)}")
+    for side, batch in found.items():
+        print(f"largest batch run under {args.limit_gib:g} GiB (RLIMIT_DATA), {side}: {batch}")
     if args.json:
         rows = [asdict(r) for r in results]
-        Path(args.json).write_text(json.dumps({"shape": shape, "rows": rows}, indent=1))
+        record = {"shape": shape, "rows": rows, "largest_batch_run": found}
+        Path(args.json).write_text(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":

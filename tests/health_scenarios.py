@@ -15,7 +15,7 @@ from titanlite.trainer import Trainer
 
 
 def train_with_a_slow_rank(
-    rank: int, world: int, argv: list[str], slow_rank: int = -1, factor: float = 0.5
+    rank: int, world: int, argv: list[str], slow_rank: int = -1, factor: float = 2.0
 ) -> dict[str, Any] | None:
     """train_scenarios.train, with ``slow_rank`` (-1: none) slowed by ``factor``."""
     original = Trainer.train_step

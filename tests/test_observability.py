@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import logging
 import math
 import subprocess
 import sys
@@ -14,8 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, read_metrics, run_train, subprocess_env
+from torch import nn
 
 from titanlite.config import ConfigError, load_config
+from titanlite.metrics import memory_timeline
 from titanlite.metrics.profiling import Profiler
 
 
@@ -48,19 +49,52 @@ def test_resumed_profiler_traces_the_same_global_steps(tmp_path: Path) -> None:
     assert written == ["iteration_8", "iteration_12"]
 
 
-def test_memory_snapshot_without_cuda_warns_and_writes_nothing(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    if torch.cuda.is_available():
-        pytest.skip("checks the CPU behaviour")
+class Widening(nn.Module):
+    """A stand-in model whose forward keeps two activations of 64 MiB each for backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.expand(16 * 2**20).clone() * self.w  # the clone and the output: 128 MiB
+
+
+def test_memory_timeline_gives_each_phase_its_own_peak(tmp_path: Path) -> None:
+    """On a CPU, enable_memory_snapshot records the peak resident memory of each phase of
+    every profile_freq-th step: the forward's activations show in the forward and not in
+    the optimizer's step, the loss's temporary in the loss phase."""
+    if torch.cuda.is_available() or not memory_timeline.available():
+        pytest.skip("the CPU timeline needs Linux's /proc")
     cfg = load_config(["--profiling.enable_memory_snapshot", "--profiling.profile_freq", "2"])
-    with caplog.at_level(logging.WARNING):
-        profiler = Profiler(cfg.profiling, tmp_path, rank=0, first_step=1)
-        for _ in range(4):
-            profiler.step()
-        profiler.close()
-    assert "needs CUDA" in caplog.text
-    assert not (tmp_path / "memory_snapshot").exists()
+    model = Widening()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    profiler = Profiler(cfg.profiling, tmp_path, rank=0, first_step=1)
+    profiler.watch([model], [optimizer])
+    for _ in range(4):
+        out = model(torch.ones(1))
+        loss = (out.exp() - 1).sum()  # the loss's own 64 MiB temporary (and its gradient)
+        del out
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            model(torch.ones(1))  # validation: outside the phases, after the step
+        profiler.step()
+    profiler.close()
+    folder = tmp_path / "memory_snapshot"
+    assert sorted(p.name for p in folder.iterdir()) == ["iteration_2", "iteration_4"]
+    record = json.loads((folder / "iteration_4/rank0_memory_timeline.json").read_text())
+    phases = {e["phase"]: e for e in record["phases"]}
+    assert [e["phase"] for e in record["phases"]] == list(memory_timeline.PHASES)
+    mib = 2**20
+    forward, loss = phases["forward"], phases["loss"]
+    assert forward["rss_end_bytes"] - forward["rss_start_bytes"] >= 120 * mib, forward
+    assert loss["peak_bytes"] - loss["rss_start_bytes"] >= 60 * mib, loss
+    assert phases["optimizer"]["peak_bytes"] <= forward["rss_end_bytes"] - 120 * mib, phases
+    # the validation forward (no gradients) counts in after_step, not as a forward
+    assert phases["after_step"]["peak_bytes"] - phases["after_step"]["rss_start_bytes"] >= 120 * mib
+    assert record["peak_bytes"]["loss"] == loss["peak_bytes"] >= forward["rss_end_bytes"]
 
 
 def test_profile_freq_below_two_is_rejected() -> None:
@@ -143,6 +177,7 @@ def test_run_writes_traces_tensorboard_and_startup(tmp_path: Path) -> None:
         "--profiling.enable_profiling",
         "--profiling.profile_freq",
         "3",
+        "--profiling.enable_memory_snapshot",
         "--metrics.enable_tensorboard",
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -155,6 +190,12 @@ def test_run_writes_traces_tensorboard_and_startup(tmp_path: Path) -> None:
     ]
     events = json.loads((out / traces[0]).read_text())["traceEvents"]
     assert any(e.get("name") == "aten::mm" for e in events)
+    if not torch.cuda.is_available() and memory_timeline.available():  # the memory per phase
+        for step in (3, 6):
+            timeline = out / f"memory_snapshot/iteration_{step}/rank0_memory_timeline.json"
+            phases = [e["phase"] for e in json.loads(timeline.read_text())["phases"]]
+            assert phases == list(memory_timeline.PHASES), phases
+        assert "memory of step 6 (rank 0): peak" in result.stderr + result.stdout
 
     # TensorBoard holds the same numbers as metrics.jsonl.
     acc = EventAccumulator(str(out / "tb"))

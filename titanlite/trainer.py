@@ -244,6 +244,7 @@ class Trainer:
         self.step_logger.begin(first_step)
         try:
             with profiling(cfg.profiling, self.dump_folder, self.dist.rank, first_step) as prof:
+                prof.watch(self.model.parts, self.optimizers)
                 while self.state.step < total:
                     self.replicas.start_step()  # a group that was away heals here
                     if self.state.step >= total:

@@ -329,10 +329,12 @@ class Profiling:
     """Trace folder, under job.dump_folder: iteration_N/rankR_trace.json (open in chrome://tracing
     or Perfetto)."""
     enable_memory_snapshot: bool = False
-    """CUDA only: record allocator history and dump a snapshot every profile_freq steps and on
-    out-of-memory (view at pytorch.org/memory_viz)."""
+    """CUDA: record allocator history and dump a snapshot every profile_freq steps and on
+    out-of-memory (view at pytorch.org/memory_viz). CPU (Linux): the peak resident memory of each
+    phase of every profile_freq-th step (data, forward, loss, backward, optimizer, after_step)."""
     save_memory_snapshot_folder: str = "memory_snapshot"
-    """Snapshot folder, under job.dump_folder: iteration_N/rankR_memory_snapshot.pickle."""
+    """Snapshot folder, under job.dump_folder: iteration_N/rankR_memory_snapshot.pickle (CUDA) or
+    rankR_memory_timeline.json (CPU)."""
 
 
 @dataclass

@@ -1,8 +1,10 @@
-"""[profiling]: torch profiler traces and CUDA memory snapshots, every profile_freq steps.
+"""[profiling]: torch profiler traces and memory timelines, every profile_freq steps.
 
 Traces go to DUMP/save_traces_folder/iteration_N/rankR_trace.json (chrome://tracing or
-ui.perfetto.dev); memory snapshots to DUMP/save_memory_snapshot_folder/iteration_N/
-rankR_memory_snapshot.pickle (pytorch.org/memory_viz). Both cost nothing when disabled.
+ui.perfetto.dev). Memory, under DUMP/save_memory_snapshot_folder/iteration_N/: on CUDA the
+allocator's snapshot, rankR_memory_snapshot.pickle (pytorch.org/memory_viz); on a CPU the peak
+resident memory of each phase of the step, rankR_memory_timeline.json
+(``titanlite.metrics.memory_timeline``). Both cost nothing when disabled.
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ import contextlib
 import logging
 import pickle
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from titanlite.config.job_config import Profiling
+from titanlite.metrics.memory_timeline import MemoryTimeline, available
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +48,31 @@ class Profiler:
             logger.info("profiling one step in every %d into %s", self.freq, self.traces)
             self._maybe_start()
         self.memory = p.enable_memory_snapshot and torch.cuda.is_available()
-        if p.enable_memory_snapshot and not self.memory:
-            logger.warning("profiling.enable_memory_snapshot needs CUDA; no snapshots on CPU")
         if self.memory:
             torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
+        self.timeline: MemoryTimeline | None = None  # on a CPU: peak memory per phase
+        if p.enable_memory_snapshot and not self.memory:
+            if available():
+                self.timeline = MemoryTimeline(self.snapshots, rank)
+                where = self.snapshots
+                logger.info("memory per phase of one step in every %d into %s", self.freq, where)
+                self._maybe_record()
+            else:
+                logger.warning(
+                    "profiling.enable_memory_snapshot needs CUDA, or Linux's /proc on a CPU: "
+                    "no memory timeline here"
+                )
+
+    def watch(self, parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]):
+        """Let the memory timeline see the phases of a step (the model's forward, the output's
+        gradient, the optimizers' steps)."""
+        if self.timeline is not None:
+            self.timeline.watch(parts, optimizers)
+
+    def _maybe_record(self) -> None:
+        """Start the memory timeline when the next step is one that is profiled."""
+        if self.timeline is not None and (self.step_num + 1) % self.freq == 0:
+            self.timeline.start(self.step_num + 1)
 
     def _maybe_start(self) -> None:
         """Start recording when the next step is the warm-up of a profiled step."""
@@ -75,6 +100,9 @@ class Profiler:
             self._maybe_start()
         if self.memory and self.step_num % self.freq == 0:
             self.dump_memory(f"iteration_{self.step_num}")
+        if self.timeline is not None:
+            self.timeline.finish()
+            self._maybe_record()
 
     def _write_trace(self, prof: torch.profiler.profile) -> None:
         folder = self.traces / f"iteration_{self.step_num}"
@@ -100,6 +128,8 @@ class Profiler:
         if self.memory:
             torch.cuda.memory._record_memory_history(enabled=None)
             self.memory = False
+        if self.timeline is not None:
+            self.timeline.close()  # a step cut short is not written
 
 
 @contextlib.contextmanager

@@ -14,12 +14,17 @@ The model is a Llama of the same shape on both sides (titanlite's debugmodel sha
 (titanlite: --ac to compare its modes), no compile, seq_len 2,048. From each side's peaks at
 the measured batch sizes (a straight line: peak grows with the batch by a fixed amount per
 sequence), the largest batch that fits --limit-gib is estimated; --fit then finds it by
-running: each side at the estimate and next to it, with its data memory limited to
---limit-gib (RLIMIT_DATA, which torch's allocations count against; a run past it fails).
+running: each side at the estimate and next to it, a batch fitting when its run's peak
+resident memory stayed at or under --limit-gib.
 
-titanlite's runs record their memory per phase (profiling.enable_memory_snapshot: the
-timeline of the last step); "kept" is what the forward left resident for backward (the
-activations), read from it. --rounds N runs every configuration N times, interleaved, and
+With --ac other than none, titanlite's runs record their memory per phase
+(profiling.enable_memory_snapshot: the timeline of the last step); "kept" is what the forward
+left resident for backward (the activations), read from it. Those runs fix glibc's mmap
+threshold at 1 MiB (MALLOC_MMAP_THRESHOLD_), so that a freed tensor leaves the resident set at
+once instead of staying in malloc's heap, where "kept" could not see it; and as the timeline
+resets the kernel's peak at each phase, their peak is the run's own logged mem_peak_gib
+(which carries the peak across the resets).
+--rounds N runs every configuration N times, interleaved, and
 reports the median tokens/s (a busy machine moves single runs by 2x).
 
     python scripts/bench_memory.py                                  # the table (~15 min)
@@ -37,7 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -64,35 +68,15 @@ class Result:
     kept_gib: float | None = None  # resident after the forward minus before it (titanlite)
 
 
-class OverLimit(Exception):
-    """A run under --fit's memory limit did not complete."""
-
-
-def measured(
-    cmd: list[str], env: dict[str, str], log: Path, limit_bytes: int | None = None
-) -> tuple[int, float]:
+def measured(cmd: list[str], env: dict[str, str], log: Path) -> tuple[int, float]:
     """Run ``cmd`` to its end: (peak resident bytes of it and its waited-for children,
-    seconds). Its output goes to ``log``; a failure stops the benchmark with its tail, or
-    under ``limit_bytes`` (each process's data memory) raises OverLimit."""
-
-    def limited() -> None:
-        resource.setrlimit(resource.RLIMIT_DATA, (limit_bytes, limit_bytes))
-
+    seconds). Its output goes to ``log``; a failure stops the benchmark with its tail."""
     start = time.perf_counter()
     with log.open("w") as out:
-        proc = subprocess.Popen(
-            cmd,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=REPO,
-            preexec_fn=limited if limit_bytes else None,
-        )
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
-        if limit_bytes:
-            raise OverLimit(log.read_text()[-300:])
         tail = log.read_text()[-3000:]
         raise SystemExit(f"{' '.join(cmd[:4])} ... failed ({proc.returncode}):\n{tail}")
     return usage.ru_maxrss * 1024, time.perf_counter() - start
@@ -109,7 +93,6 @@ def titanlite_run(
     folder: Path,
     *,
     ac: str = "none",
-    limit_bytes: int | None = None,
 ) -> Result:
     side = "fused" if fused else "unfused"
     dump = folder / f"titanlite-{side}-{batch}-{ac.replace(':', '')}-{time.monotonic_ns()}"
@@ -131,14 +114,18 @@ def titanlite_run(
         *("--lr_scheduler.warmup_steps", "2", "--job.dump_folder", str(dump)),
         *("--activation_checkpoint.mode", mode or "none"),
         *("--activation_checkpoint.selective_ac_option", option or "1"),
-        # the last step's memory per phase (profile_freq: at least 2)
-        *("--profiling.enable_memory_snapshot", "--profiling.profile_freq", str(args.steps)),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    peak, seconds = measured(cmd, env, folder / f"{dump.name}.log", limit_bytes)
+    timeline = args.ac != "none"
+    if timeline:  # the last step's memory per phase (profile_freq: at least 2)
+        cmd += ["--profiling.enable_memory_snapshot", "--profiling.profile_freq", str(args.steps)]
+        env["MALLOC_MMAP_THRESHOLD_"] = str(2**20)
+    peak, seconds = measured(cmd, env, folder / f"{dump.name}.log")
     lines = (dump / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
     tps = [r["tps"] for r in records if "kind" not in r and "tps" in r]
+    if timeline:  # (the kernel's figure counts only since the timeline's last reset)
+        peak = max(r["mem_peak_gib"] for r in records if "mem_peak_gib" in r) * GIB
     kept = None
     for timeline in dump.glob("memory_snapshot/*/rank0_memory_timeline.json"):
         phases = json.loads(timeline.read_text())["phases"]
@@ -173,9 +160,7 @@ def torchtitan_assets(folder: Path) -> tuple[Path, Path]:
     return assets, data
 
 
-def torchtitan_run(
-    args: argparse.Namespace, batch: int, folder: Path, *, limit_bytes: int | None = None
-) -> Result:
+def torchtitan_run(args: argparse.Namespace, batch: int, folder: Path) -> Result:
     assets, data = torchtitan_assets(folder)
     steps_file = folder / f"torchtitan-{batch}.jsonl"
     flavor = {
@@ -207,7 +192,7 @@ def torchtitan_run(
         "TT_STEPS_JSONL": str(steps_file),
     }
     env.pop("PYTHONPATH", None)
-    peak, seconds = measured(cmd, env, folder / f"torchtitan-{batch}.log", limit_bytes)
+    peak, seconds = measured(cmd, env, folder / f"torchtitan-{batch}.log")
     records = [json.loads(line) for line in steps_file.read_text().splitlines()]
     tps = [r["tps"] for r in records]
     return Result("torchtitan", batch, peak / GIB, median_after_first(tps), len(tps), seconds)
@@ -253,33 +238,23 @@ def table(results: list[Result], limit_gib: float) -> str:
 
 
 def run(
-    args: argparse.Namespace,
-    side: str,
-    batch: int,
-    folder: Path,
-    *,
-    ac: str = "none",
-    limit_bytes: int | None = None,
+    args: argparse.Namespace, side: str, batch: int, folder: Path, *, ac: str = "none"
 ) -> Result:
     if side == "torchtitan":
-        return torchtitan_run(args, batch, folder, limit_bytes=limit_bytes)
-    fused = side == "fused"
-    return titanlite_run(args, batch, fused, folder, ac=ac, limit_bytes=limit_bytes)
+        return torchtitan_run(args, batch, folder)
+    return titanlite_run(args, batch, side == "fused", folder, ac=ac)
 
 
 def fit(args: argparse.Namespace, side: str, estimate: int, folder: Path) -> int:
-    """The largest batch whose run completes with its data memory limited to --limit-gib,
-    searched by running from ``estimate`` (0: not even one sequence)."""
-    limit = int(args.limit_gib * GIB)
+    """The largest batch whose run peaks at or under --limit-gib, searched by running from
+    ``estimate`` (0: not even one sequence)."""
 
     def fits(batch: int) -> bool:
-        try:
-            result = run(args, side, batch, folder, limit_bytes=limit)
-        except OverLimit:
-            print(f"{side}, batch {batch}: over {args.limit_gib:g} GiB", flush=True)
-            return False
-        print(f"{side}, batch {batch}: fits ({result.peak_gib:.2f} GiB peak)", flush=True)
-        return True
+        result = run(args, side, batch, folder)
+        fitting = result.peak_gib <= args.limit_gib
+        verdict = "fits" if fitting else f"over {args.limit_gib:g} GiB"
+        print(f"{side}, batch {batch}: {verdict} ({result.peak_gib:.2f} GiB peak)", flush=True)
+        return fitting
 
     batch = max(1, estimate)
     if fits(batch):
@@ -349,7 +324,7 @@ def main() -> None:
     )
     print(f"\n{shape}\n\n{table(results, args.limit_gib)}")
     for side, batch in found.items():
-        print(f"largest batch run under {args.limit_gib:g} GiB (RLIMIT_DATA), {side}: {batch}")
+        print(f"largest batch run under {args.limit_gib:g} GiB, {side}: {batch}")
     if args.json:
         rows = [asdict(r) for r in results]
         record = {"shape": shape, "rows": rows, "largest_batch_run": found}

@@ -95,6 +95,8 @@ def test_memory_timeline_gives_each_phase_its_own_peak(tmp_path: Path) -> None:
     # the validation forward (no gradients) counts in after_step, not as a forward
     assert phases["after_step"]["peak_bytes"] - phases["after_step"]["rss_start_bytes"] >= 120 * mib
     assert record["peak_bytes"]["loss"] == loss["peak_bytes"] >= forward["rss_end_bytes"]
+    # the resets leave the process's own peak (the logged mem_peak_gib) intact
+    assert memory_timeline.process_peak() >= max(e["peak_bytes"] for e in record["phases"])
 
 
 def test_profile_freq_below_two_is_rejected() -> None:

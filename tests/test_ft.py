@@ -178,6 +178,26 @@ STEPS = 100  # enough for two restarts at PACE on a busy machine; the rest runs 
 KILL_AT = 4  # group 2 is killed once it committed this step
 
 
+def as_from_a_terminal() -> None:
+    """In the launcher's child before exec: SIGINT at its default and not blocked, as a
+    terminal's shell starts a command (an ignored or blocked SIGINT is inherited through exec,
+    and bash cannot trap a signal ignored when it started; the Ctrl-C test's launcher twice
+    never ran its trap in loaded full-suite runs)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def signal_masks(pid: int) -> str:
+    """A process's blocked, ignored and caught signal masks (for a failure's message)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return "(gone)"
+    return " ".join(
+        line for line in status.splitlines() if line.startswith(("SigBlk", "SigIgn", "SigCgt"))
+    )
+
+
 class Run:
     """scripts/ft_local.sh GROUPS ... under the hooks, NGPU=``ngpu`` processes per group, and
     every process it and the test start (all killed at the end, whatever happened)."""
@@ -220,6 +240,7 @@ class Run:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=as_from_a_terminal,
             )
         self.launches.append((proc, log_path))
 
@@ -483,7 +504,10 @@ def test_ctrl_c_reaches_every_group_through_the_local_launcher(tmp_path):
             status = run.launcher.wait(timeout=120)
         except subprocess.TimeoutExpired:  # (seen once under load: say where each group was)
             logs = {p.name: p.read_text()[-3000:] for p in (run.out / "logs").glob("*.log")}
-            raise AssertionError(f"not stopped in 120 s:\n{run.output()}\n{logs}") from None
+            masks = signal_masks(run.launcher.pid)
+            raise AssertionError(
+                f"not stopped in 120 s ({masks}):\n{run.output()}\n{logs}"
+            ) from None
         assert status == 130, run.output()
         pids = [p for group in markers(control, "ready").values() for p in group]
         lighthouse = re.search(r"lighthouse \S+ \(pid (\d+)", run.output())

@@ -53,11 +53,12 @@ def resident() -> tuple[int, int]:
 _peak_before_resets = 0  # the highest peak a reset erased (the kernel's then starts again)
 
 
-def reset_peak() -> None:
+def reset_peak(peak: int | None = None) -> None:
     """Start the kernel's peak resident memory again from what is resident now (Linux 4.0 and
     later); ``process_peak`` still knows the process's highest."""
     global _peak_before_resets
-    _peak_before_resets = max(_peak_before_resets, resident()[1])
+    seen = resident()[1] if peak is None else peak  # (a caller that just read it passes it)
+    _peak_before_resets = max(_peak_before_resets, seen)
     _CLEAR_REFS.write_text("5")
 
 
@@ -114,8 +115,7 @@ class MemoryTimeline:
         """The phase so far ended; ``phase`` begins."""
         if self.step is None or phase == self.phase:
             return
-        self._end()
-        self._begin(phase)
+        self._begin(phase, self._end())
 
     def finish(self) -> Path | None:
         """End the step being recorded: write its timeline, log its summary; the file."""
@@ -150,15 +150,16 @@ class MemoryTimeline:
         self.step = None
 
     # ------------------------------------------------------------------ phases
-    def _begin(self, phase: str) -> None:
+    def _begin(self, phase: str, peak: int | None = None) -> None:
         self.phase = phase
         if phase == "forward":
             self._microbatch += 1
-        reset_peak()
+        reset_peak(peak)
         self._rss_at_start = resident()[0]
         self._phase_started = time.perf_counter()
 
-    def _end(self) -> None:
+    def _end(self) -> int:
+        """Close the phase's entry; the kernel's peak it read (for the next reset)."""
         now, peak = resident()
         in_batches = self.phase in ("forward", "loss", "backward")
         self.events.append(
@@ -172,6 +173,7 @@ class MemoryTimeline:
                 "peak_bytes": max(peak, now, self._rss_at_start),
             }
         )
+        return peak
 
     def _forward_starts(self, module: nn.Module, args: object) -> None:
         if self.step is not None and self.phase != "forward" and torch.is_grad_enabled():

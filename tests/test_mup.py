@@ -8,6 +8,7 @@ import sys
 from collections import Counter
 
 import pytest
+import torch
 from conftest import REPO, run_train
 
 CONFIG = str(REPO / "train_configs" / "debug_model.toml")
@@ -88,6 +89,46 @@ def test_every_family_gets_its_roles_and_factors_from_its_own_shapes() -> None:
         assert base.output_multiplier == 1.0 and base.attention_scale == 1.0
 
 
+def test_muon_matrices_keep_the_spectral_step_of_the_base_width() -> None:
+    """Muon's step has the spectral norm of lr x its shape's scale: μP's factor for a Muon
+    matrix keeps sqrt(fan_out / fan_in) / scale as at the base width (m = 2 here)."""
+    from functools import partial
+
+    from titanlite import models
+    from titanlite.config import load_config
+    from titanlite.mup.parametrize import lr_scale, plan
+    from titanlite.optim.groups import resolve_groups
+    from titanlite.optim.muon import spectral_lr
+
+    spec = models.get("qwen3_moe")
+    extra = {"num_experts": 4, "top_k": 2, "moe_hidden_dim": 32, "head_dim": 16}
+    args = spec.args_from_dict({"dim": 64, "n_layers": 1, "n_heads": 4, "vocab_size": 256, **extra})
+    factor = lr_scale(plan(spec, args, base_dim=32))
+    expected = {  # (hidden, router: [4 experts, dim]) per lr_adjustment
+        "match_rms_adamw": (2**-0.5, 0.5),  # the step grows with sqrt(fan): 1/sqrt(m) more
+        "original": (1.0, 2**-0.5),  # square-ish: as is; the router's target falls 1/sqrt(m)
+        "none": (1.0, 2**-0.5),
+    }
+    for adjustment, (hidden, router) in expected.items():
+        step = partial(spectral_lr, adjustment=adjustment)
+        assert factor("layers.0.attention.wq.weight", step) == pytest.approx(hidden)
+        assert factor("layers.0.feed_forward.experts.w1", step) == pytest.approx(hidden)
+        assert factor("layers.0.feed_forward.router.weight", step) == pytest.approx(router), (
+            adjustment
+        )
+        assert factor("tok_embeddings.weight", step) == 1.0  # not a growing matrix
+    assert factor("layers.0.attention.wq.weight") == 0.5  # AdamW's: the table's 1/m
+    cfg = load_config(["--optimizer.name", "Muon"])
+    with torch.device("meta"):
+        model = spec.build(args)
+    groups = {g.name: g for g in resolve_groups(model, cfg.optimizer, lr_scale=factor)}
+    scaled = groups["muon (mup x0.7071)"]
+    assert "layers.0.attention.wq.weight" in scaled.names
+    assert scaled.lr == pytest.approx(cfg.optimizer.lr * 2**-0.5)
+    # Muon's default rules give the router to AdamW: the table's 1/m.
+    assert "layers.0.feed_forward.router.weight" in groups["adamw (mup x0.5)"].names
+
+
 @pytest.mark.slow
 def test_at_the_base_width_mup_trains_the_standard_model_and_wider_it_does_not(tmp_path) -> None:
     import train_scenarios
@@ -140,12 +181,14 @@ def test_coordinate_check_is_flat_with_mup_and_grows_without() -> None:
 
 
 @pytest.mark.slow
-def test_fsdp_2_x_tp_2_takes_the_steps_of_one_process(tmp_path) -> None:
+@pytest.mark.parametrize(("optimizer", "factor"), [("AdamW", "0.5"), ("Muon", "0.7071")])
+def test_fsdp_2_x_tp_2_takes_the_steps_of_one_process(tmp_path, optimizer, factor) -> None:
+    """AdamW's hidden matrices at 1/m, Muon's at 1/sqrt(m) (match_rms_adamw), m = 2."""
     import train_scenarios
     from pool import get_pool
 
     mup = ["--mup.enable", "true", "--mup.base_dim", "32", "--training.steps", "8"]
-    argv = [*SMALL, *mup]
+    argv = [*SMALL, *mup, "--optimizer.name", optimizer]
     same_batch = ["--training.local_batch_size", "4"]  # the global batch of dp_shard 2 x 2
     one = get_pool(1).run(
         train_scenarios.train, argv=[*argv, *same_batch, "--job.dump_folder", str(tmp_path / "one")]
@@ -167,14 +210,16 @@ def test_fsdp_2_x_tp_2_takes_the_steps_of_one_process(tmp_path) -> None:
         for x, y in zip(a, b, strict=True)
         for k in ("loss", "grad_norm")
     )
-    print(f"\nmuP, fsdp 2 x tp 2 vs one process over 8 steps: max relative difference {worst:.2e}")
+    print(f"\nmuP ({optimizer}), fsdp 2 x tp 2 vs one process over 8 steps: {worst:.2e} at most")
     assert worst <= 1e-6
-    # The groups run.json reports carry μP's learning rates (AdamW: hidden x base / dim).
+    # The groups run.json reports carry μP's learning rates.
     groups = {g["name"]: g for g in one["info"]["optimizer_groups"]}
-    scaled = [g for name, g in groups.items() if "mup x0.5" in name]
-    assert scaled and all(
-        g["lr"] == pytest.approx(0.5 * groups[g["name"].split(" (")[0]]["lr"]) for g in scaled
-    )
+    from titanlite.config import load_config
+
+    lr = load_config(["--job.config_file", CONFIG]).optimizer.lr
+    hidden = "muon" if optimizer == "Muon" else "decay"  # the group of the hidden matrices
+    scaled = groups[f"{hidden} (mup x{factor})"]
+    assert scaled["lr"] == pytest.approx(float(factor) * lr, rel=1e-3)
 
 
 def test_bad_mup_settings_are_one_line_and_exit_2(tmp_path) -> None:

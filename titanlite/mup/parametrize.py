@@ -21,9 +21,12 @@ dim entries, divided by m); tied embeddings keep their init (the multiplier alon
 1/sqrt(head_dim). At dim = base_dim every factor is 1: the standard model. Shapes are global,
 so the factors are the same under every layout.
 
-Muon's hidden matrices keep their learning rate: Muon's update is orthogonalized and scaled by
-the matrix's shape, which is already the width-independent step μP asks of them (the groups
-Muon hands to AdamW follow the table).
+Muon's matrices (hidden and output-like) follow μP's spectral condition instead: a step's
+spectral norm should stay proportional to sqrt(fan_out / fan_in) as the width grows. Muon's
+orthogonalized step has the spectral norm of its learning rate times its shape's scale
+(``muon.lr_adjustment``), so the factor is what keeps that ratio as at the base shape
+(``lr_scale``'s ``step``): x m^-1/2 for a hidden matrix under match_rms_adamw (its step grows
+with sqrt(fan)), x 1 under original or none; the groups Muon hands to AdamW follow the table.
 """
 
 from __future__ import annotations
@@ -86,6 +89,8 @@ class Plan:
     output_multiplier: float = 1.0
     attention_scale: float = 1.0
     """The factor on the queries: the scores become sqrt(base_head_dim) / head_dim."""
+    shapes: dict[str, tuple[tuple[int, ...], tuple[float, ...]]] = field(default_factory=dict)
+    """A hidden or output-like parameter's shape, and at the base width (width dims / m)."""
 
 
 def plan(spec: Any, args: Any, base_dim: int, base_head_dim: int = 0) -> Plan:
@@ -102,7 +107,7 @@ def plan(spec: Any, args: Any, base_dim: int, base_head_dim: int = 0) -> Plan:
     def has_role(name: str, role: str) -> bool:
         return any(fnmatch.fnmatchcase(name, p) for p in patterns[role])
 
-    roles, init, lr = {}, {}, {}
+    roles, init, lr, base = {}, {}, {}, {}
     for name, p in here.items():
         q = there.get(name)
         grows = [a != b for a, b in zip(p.shape, q.shape, strict=True)] if q is not None else []
@@ -117,6 +122,9 @@ def plan(spec: Any, args: Any, base_dim: int, base_head_dim: int = 0) -> Plan:
         else:
             role = "input-like"
         roles[name] = role
+        if role in ("hidden", "output-like"):
+            at_base = tuple(n / m if g else n for n, g in zip(p.shape, grows, strict=True))
+            base[name] = (tuple(p.shape), at_base)
         if role == "hidden":
             init[name], lr[name] = m**-0.5, 1 / m
         elif role == "output-like":
@@ -125,7 +133,7 @@ def plan(spec: Any, args: Any, base_dim: int, base_head_dim: int = 0) -> Plan:
             init[name] = m  # with the multiplier: the logits at init as at the base
     head_dim = _head_dim(args)
     attention = math.sqrt(base_head_dim / head_dim) if base_head_dim and head_dim else 1.0
-    return Plan(m, roles, init, lr, output_multiplier=1 / m, attention_scale=attention)
+    return Plan(m, roles, init, lr, output_multiplier=1 / m, attention_scale=attention, shapes=base)
 
 
 def _head_dim(args: Any) -> int:
@@ -162,10 +170,24 @@ def scale_init(parts: Sequence[nn.Module], p: Plan) -> None:
                 (param._local_tensor if isinstance(param, DTensor) else param).mul_(factor)
 
 
-def lr_scale(p: Plan | None) -> Callable[[str], float] | None:
-    """A parameter's (any wrapper's name for it) AdamW learning-rate factor, for the
-    optimizer's groups."""
+def lr_scale(p: Plan | None) -> LRScale | None:
+    """A parameter's (any wrapper's name for it) learning-rate factor, for the optimizer's
+    groups: ``factor(name)`` AdamW's (the table); ``factor(name, step)`` that of an
+    optimizer whose lr at a shape gives the spectral norm μP asks for in proportion to
+    ``step(shape)`` (Muon: ``titanlite.optim.muon.spectral_lr``): step's ratio between the
+    parameter's shape and its base-width shape (1 for the roles that do not grow)."""
     if p is None:
         return None
-    scales = p.lr_scale
-    return lambda name: scales.get(clean(name), 1.0)
+
+    def factor(name: str, step: Callable[[tuple[float, ...]], float] | None = None) -> float:
+        key = clean(name)
+        if step is None:
+            return p.lr_scale.get(key, 1.0)
+        shapes = p.shapes.get(key)
+        return 1.0 if shapes is None else step(shapes[0]) / step(shapes[1])
+
+    return factor
+
+
+LRScale = Callable[..., float]
+"""``lr_scale``'s result: (name[, step]) -> the parameter's learning-rate factor."""

@@ -13,6 +13,7 @@ import fnmatch
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from titanlite import optim
 from titanlite.config.job_config import LRScheduler, Optimizer, ParamGroupRule
 from titanlite.errors import UserError
 from titanlite.models.spec import PARAM_ROLES
+from titanlite.optim.muon import spectral_lr
 from titanlite.optim.schedule import build_lr_scheduler
 
 logger = logging.getLogger(__name__)
@@ -89,12 +91,14 @@ def resolve_groups(
     rules: Sequence[ParamGroupRule] | None = None,
     roles: Mapping[str, Sequence[str]] = PARAM_ROLES,
     *,
-    lr_scale: Callable[[str], float] | None = None,
+    lr_scale: Callable[..., float] | None = None,
+    muon_adjustment: str = "match_rms_adamw",
 ) -> list[ParamGroup]:
     """The groups of ``model``'s trainable parameters, in rule order (empty groups left
     out); a UserError naming a parameter that no rule takes. ``roles`` are the model's
     family's parameter roles (its spec's ``param_roles``), which rules name as ``@role``.
-    ``lr_scale`` (μP, titanlite.mup): a parameter's learning-rate factor in AdamW groups;
+    ``lr_scale`` (μP, titanlite.mup.parametrize.lr_scale): a parameter's learning-rate
+    factor in AdamW groups, and in Muon groups (whose steps ``muon_adjustment`` scales);
     a group's parameters of another factor go to a group of their own beside it."""
     rules = tuple(rules) if rules is not None else rules_of(settings)
     patterns = [patterns_of(rule, roles) for rule in rules]
@@ -119,7 +123,11 @@ def resolve_groups(
                         f"{tuple(param.shape)}) to {group.optimizer}, which takes matrices "
                         f'only; add dims = "matrix" to the rule or give it to adamw'
                     )
-                factor = lr_scale(name) if lr_scale and group.optimizer == "adamw" else 1.0
+                factor = 1.0
+                if lr_scale and group.optimizer == "adamw":
+                    factor = lr_scale(name)
+                elif lr_scale and group.optimizer == "muon":
+                    factor = lr_scale(name, partial(spectral_lr, adjustment=muon_adjustment))
                 if factor != 1.0:
                     group = scaled.setdefault(
                         (id(group), factor),
@@ -168,7 +176,7 @@ def build_optimizer(
     replica_group: Any = None,
     dims: Any = None,
     n_layers: int = 0,
-    lr_scale: Callable[[str], float] | None = None,
+    lr_scale: Callable[..., float] | None = None,
 ) -> tuple[torch.optim.Optimizer, list[ParamGroup]]:
     """The optimizer of one model part (a whole model, or a pipeline stage) and its groups.
 
@@ -179,7 +187,11 @@ def build_optimizer(
     that split their work over it (Muon); ``dims`` the run's ParallelDims and ``n_layers``
     the model's blocks (QK-clip); ``lr_scale`` μP's factors (resolve_groups).
     """
-    groups = resolve_groups(model, settings, roles=roles, lr_scale=lr_scale)
+    muon = (sections or {}).get("muon")
+    adjustment = getattr(muon, "lr_adjustment", "match_rms_adamw")
+    groups = resolve_groups(
+        model, settings, roles=roles, lr_scale=lr_scale, muon_adjustment=adjustment
+    )
     kinds = sorted({g.optimizer for g in groups})
     host = _host(kinds, settings.name.lower())
     torch_groups = []
@@ -221,7 +233,7 @@ def build_optimizers(
     replica_group: Any = None,
     dims: Any = None,
     n_layers: int = 0,
-    lr_scale: Callable[[str], float] | None = None,
+    lr_scale: Callable[..., float] | None = None,
 ) -> tuple[list[torch.optim.Optimizer], list[torch.optim.lr_scheduler.LambdaLR], list[ParamGroup]]:
     """One optimizer and learning-rate schedule per model part (the whole model, or each
     pipeline stage of this rank), and the groups of all of them (logged); ``sections``,

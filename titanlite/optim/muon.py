@@ -88,6 +88,15 @@ def lr_scale(shape: torch.Size | tuple[int, ...], adjustment: str) -> float:
     return 1.0
 
 
+def spectral_lr(shape: tuple[float, ...], adjustment: str) -> float:
+    """In proportion, the learning rate at which a Muon step of a matrix of ``shape`` has
+    the spectral norm μP's spectral condition asks for, sqrt(fan_out / fan_in): an
+    orthogonalized step's spectral norm is its lr times ``lr_scale`` (μP's factor for Muon
+    is this ratio between a shape and its base-width shape, titanlite.mup)."""
+    fan_out, fan_in = fan_out_in(shape)
+    return math.sqrt(fan_out / fan_in) / lr_scale(shape, adjustment)
+
+
 class Muon(torch.optim.AdamW):
     """Muon for the param groups whose "optimizer" is "muon"; torch's AdamW for the others.
 

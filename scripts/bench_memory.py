@@ -1,5 +1,7 @@
-"""Peak memory and tokens/s of a training step: titanlite unfused and fused loss
-(training.fused_loss), side by side with TorchTitan v0.2.2 on the same machine.
+"""Peak memory and tokens/s of a training step: titanlite unfused, fused loss
+(training.fused_loss, its gradients in the forward) and fused recomputing
+(training.fused_loss_recompute: side "recompute"), side by side with TorchTitan v0.2.2 on the
+same machine.
 
 Every configuration runs as a fresh process (titanlite: ``python -m titanlite.train``;
 TorchTitan: torchrun on ``/work/shared/tools/ttcpu/wrapper.py`` from its own venv, never a
@@ -29,7 +31,7 @@ reports the median tokens/s (a busy machine moves single runs by 2x).
 
     python scripts/bench_memory.py                                  # the table (~15 min)
     python scripts/bench_memory.py --batches 1,2 --steps 3 --sides fused
-    python scripts/bench_memory.py --sides unfused,fused --batches 1,2 --rounds 3 --steps 6
+    python scripts/bench_memory.py --sides unfused,fused,recompute --batches 1,2 --rounds 3
     python scripts/bench_memory.py --sides fused --ac none,selective:op,selective:2,full
     python scripts/bench_memory.py --limit-gib 6 --fit --steps 2
     python scripts/bench_memory.py --torchtitan /tmp/ttcpu/bin/python --json out.json
@@ -53,7 +55,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 TTCPU = Path("/work/shared/tools/ttcpu")
 GIB = 2**30
-SIDES = ("unfused", "fused", "torchtitan")
+SIDES = ("unfused", "fused", "recompute", "torchtitan")  # recompute: fused_loss_recompute
 
 
 @dataclass(frozen=True)
@@ -89,12 +91,12 @@ def median_after_first(values: list[float]) -> float:
 def titanlite_run(
     args: argparse.Namespace,
     batch: int,
-    fused: bool,
+    side: str,
     folder: Path,
     *,
     ac: str = "none",
 ) -> Result:
-    side = "fused" if fused else "unfused"
+    fused = side != "unfused"
     dump = folder / f"titanlite-{side}-{batch}-{ac.replace(':', '')}-{time.monotonic_ns()}"
     mode, _, option = ac.partition(":")
     cmd = [
@@ -110,6 +112,8 @@ def titanlite_run(
         *("--training.local_batch_size", str(batch), "--training.steps", str(args.steps)),
         *("--training.fused_loss", str(fused).lower(), "--metrics.log_freq", "1"),
         *("--training.fused_loss_chunk", str(args.chunk)),
+        *("--training.fused_loss_tokens", str(args.tokens)),
+        *("--training.fused_loss_recompute", str(side == "recompute").lower()),
         *("--validation.enable", "false", "--checkpoint.enable", "false"),
         *("--lr_scheduler.warmup_steps", "2", "--job.dump_folder", str(dump)),
         *("--activation_checkpoint.mode", mode or "none"),
@@ -242,7 +246,7 @@ def run(
 ) -> Result:
     if side == "torchtitan":
         return torchtitan_run(args, batch, folder)
-    return titanlite_run(args, batch, side == "fused", folder, ac=ac)
+    return titanlite_run(args, batch, side, folder, ac=ac)
 
 
 def fit(args: argparse.Namespace, side: str, estimate: int, folder: Path) -> int:
@@ -280,6 +284,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--chunk", type=int, default=8192, help="training.fused_loss_chunk")
+    p.add_argument("--tokens", type=int, default=0, help="training.fused_loss_tokens")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     modes_help = "titanlite's activation checkpointing: none, full, selective:op, selective:N"
     p.add_argument("--ac", default="none", help=modes_help + " (comma-separated)")

@@ -8,6 +8,7 @@ process with multi-token prediction, z-loss, document masks and tied embeddings,
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -24,6 +25,13 @@ from titanlite.training.fused_loss import head_scores
 from titanlite.training.loss import TrainingLoss, mtp_labels
 
 VOCAB, DIM, CHUNK = 1000, 64, 128  # 8 chunks, the last one short
+TOKENS = 37  # tokens per block of the default fused loss: the last one short
+# The two fused losses: gradients computed in the forward, a block of tokens at a time (the
+# default), and recomputed in backward, a chunk of the vocabulary at a time.
+MODES = {
+    "in forward": {"tokens": TOKENS},
+    "recompute": {"recompute": True, "chunk": CHUNK},
+}
 # float32 rounding: the chunked sums and the unfused ones add in different orders.
 RTOL = 1e-6
 
@@ -61,14 +69,17 @@ def test_head_scores_are_the_log_partition_and_the_target_logit() -> None:
     assert relative(lse, whole) <= RTOL
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("z_loss", [0.0, 1e-2])
 @pytest.mark.parametrize("depths", [0, 2])
-def test_fused_loss_equals_the_unfused_loss_and_gradients(z_loss: float, depths: int) -> None:
+def test_fused_loss_equals_the_unfused_loss_and_gradients(
+    mode: str, z_loss: float, depths: int
+) -> None:
     """Cross-entropy, z-loss and MTP terms, and the gradients of hidden states and weight,
     from hidden states of the main positions and each depth's (as the model emits them)."""
     hidden, weight, labels = tensors(seq=40 * (1 + depths))
     seq = 40
-    loss = TrainingLoss(z_loss, depths, 0.3, chunk=CHUNK)
+    loss = TrainingLoss(z_loss, depths, 0.3, **MODES[mode])
     documents = torch.zeros(3, seq, dtype=torch.long)
     documents[:, 17:] = 1  # a document boundary: no MTP target across it
     targets = loss.targets(labels[:, :seq], documents) if depths else labels[:, :seq]
@@ -82,21 +93,46 @@ def test_fused_loss_equals_the_unfused_loss_and_gradients(z_loss: float, depths:
     assert fused_terms.shape == unfused_terms.shape == (len(loss.names),)
     assert relative(fused, unfused) <= RTOL
     assert relative(fused_terms, unfused_terms) <= RTOL
-    for a, b in zip(grads(fused, hidden, weight), grads(unfused, hidden, weight), strict=True):
+    # The objective's gradient scaled (as the trainer's division by the token count does).
+    scaled = grads(fused * 0.25, hidden, weight)
+    for a, b in zip(scaled, grads(unfused * 0.25, hidden, weight), strict=True):
         assert relative(a, b) <= 4 * RTOL  # dh sums chunk by chunk: a few more roundings
 
 
-def test_the_loss_of_no_target_is_zero_and_its_gradient_too() -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_the_loss_of_no_target_is_zero_and_its_gradient_too(mode: str) -> None:
     hidden, weight, labels = tensors()
     labels[:] = IGNORE_INDEX
-    objective, terms = TrainingLoss(1e-2, chunk=CHUNK)(hidden, labels, head=weight)
+    objective, terms = TrainingLoss(1e-2, **MODES[mode])(hidden, labels, head=weight)
     assert objective.item() == 0 and terms.tolist() == [0.0, 0.0]
     assert all((g == 0).all() for g in grads(objective, hidden, weight))
 
 
-def test_under_bf16_autocast_the_logits_are_bf16_as_unfused() -> None:
+def test_without_gradients_the_scores_alone_and_a_frozen_weight_gets_none() -> None:
+    """Evaluation (no grad) gives the training loss's numbers; a frozen head (LoRA) gets
+    no gradient and the hidden states theirs."""
     hidden, weight, labels = tensors()
-    loss = TrainingLoss(chunk=CHUNK)
+    loss = TrainingLoss(1e-2, tokens=TOKENS)
+    trained, trained_terms = loss(hidden, labels, head=weight)
+    with torch.no_grad():
+        evaluated, terms = loss(hidden, labels, head=weight)
+    assert not evaluated.requires_grad and torch.equal(terms, trained_terms)
+    assert relative(evaluated, trained) <= RTOL
+    frozen = weight.detach()
+    objective, _ = loss(hidden, labels, head=frozen)
+    objective.backward()
+    assert frozen.grad is None
+    assert relative(hidden.grad, grads(trained, hidden)[0]) <= RTOL
+    with pytest.raises(RuntimeError, match="backward runs once"):
+        objective2, _ = loss(hidden, labels, head=weight)
+        objective2.backward(retain_graph=True)
+        objective2.backward()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_under_bf16_autocast_the_logits_are_bf16_as_unfused(mode: str) -> None:
+    hidden, weight, labels = tensors()
+    loss = TrainingLoss(**MODES[mode])
     with torch.autocast("cpu", dtype=torch.bfloat16):
         fused, _ = loss(hidden, labels, head=weight)
         unfused, _ = loss(F.linear(hidden, weight).float(), labels)
@@ -121,33 +157,44 @@ def test_the_deferred_head_keeps_its_name_the_tie_and_high_precision() -> None:
     assert model.output(x) is x
 
 
-def test_a_chunk_below_one_is_a_one_line_config_error() -> None:
-    with pytest.raises(ConfigError, match="training.fused_loss_chunk: must be at least 1") as e:
-        load_config(["--training.fused_loss_chunk", "0"])
+@pytest.mark.parametrize(
+    ("key", "value", "problem"),
+    [("chunk", "0", "must be at least 1"), ("tokens", "-1", "must be 0 (automatic) or more")],
+)
+def test_a_block_below_its_least_is_a_one_line_config_error(
+    key: str, value: str, problem: str
+) -> None:
+    name = f"training.fused_loss_{key}"
+    with pytest.raises(ConfigError, match=re.escape(f"{name}: {problem}")) as e:
+        load_config([f"--{name}", value])
     assert len(str(e.value).splitlines()) == 1
 
 
 def test_the_8b_dry_run_shows_the_loss_with_and_without_fusing() -> None:
-    """Llama 3 8B, 8,192 tokens per rank, vocabulary 128,256: unfused the loss peaks at 3
-    copies of the 3.91 GiB logits; fused at 2 [tokens, chunk] blocks; the activation
-    estimate differs by the saving."""
-    import re
+    """Llama 3 8B (float32), 8,192 tokens per rank, vocabulary 128,256: unfused the loss
+    peaks at 3 copies of the 3.91 GiB logits; fused at a [523, vocab] block (256 MiB) plus dh
+    and dW (2.08 GiB, kept for backward); recomputing at 2 [tokens, chunk] blocks; the
+    activation estimate differs by the saving."""
 
     from titanlite.dry_run import dry_run
 
     config = str(Path(__file__).parent.parent / "train_configs" / "llama3_8b.toml")
     reports = {}
-    for fused in ("false", "true"):
-        cfg = load_config(["--job.config_file", config, "--training.fused_loss", fused])
-        reports[fused] = dry_run(cfg, 8, 128256)
+    for name, args in {"unfused": [], **FUSED}.items():
+        cfg = load_config(["--job.config_file", config, *args])
+        reports[name] = dry_run(cfg, 8, 128256)
     gib = {
         k: float(re.search(r"activations\s+~([\d.]+) GiB", out).group(1))
         for k, out in reports.items()
     }
-    assert "loss            unfused: ~11.74 GiB at its peak" in reports["false"]
-    assert "loss            fused: ~0.50 GiB at its peak" in reports["true"]
-    assert "11.24 GiB less fused" in reports["true"]
-    assert gib["false"] - gib["true"] == pytest.approx(11.24, abs=0.02), reports
+    assert "loss            unfused: ~11.74 GiB at its peak" in reports["unfused"]
+    assert "loss            fused: ~2.33 GiB at its peak" in reports["in forward"]
+    assert "2.08 GiB of dh and dW kept for backward); unf" in reports["in forward"]
+    assert "9.41 GiB less fused" in reports["in forward"]
+    assert "loss            fused: ~0.50 GiB at its peak" in reports["recompute"]
+    assert "11.24 GiB less fused" in reports["recompute"]
+    assert gib["unfused"] - gib["in forward"] == pytest.approx(9.41, abs=0.02), reports
+    assert gib["unfused"] - gib["recompute"] == pytest.approx(11.24, abs=0.02), reports
 
 
 # --- whole runs -----------------------------------------------------------------------------
@@ -156,7 +203,8 @@ STEPS = 8
 # deepseek_v3's debug model with dense blocks only (routing flips would amplify rounding),
 # two multi-token prediction depths (under FSDP the first is resharded before the head reads
 # its output: its final norm must run inside it), z-loss on, tied embeddings, the vocabulary
-# of 4,096 in 14 chunks (7 per rank under tp 2).
+# of 4,096 in 14 chunks (7 per rank under tp 2) when recomputed, the tokens (4 x 32 x 3 per
+# rank in one process) in blocks of 100 otherwise.
 DSV3 = [
     "--model.name",
     "deepseek_v3",
@@ -176,6 +224,8 @@ DSV3 = [
     "0.01",
     "--training.fused_loss_chunk",
     "300",
+    "--training.fused_loss_tokens",
+    "100",
     "--training.steps",
     str(STEPS),
     "--training.seq_len",
@@ -224,17 +274,26 @@ def test_one_process_fused_trains_as_unfused_with_mtp_z_loss_and_documents(
 ) -> None:
     common = ["--training.local_batch_size", "4", "--training.document_mask", "true"]
     base = curves(1, tmp_path / "unfused", *common, "--training.fused_loss", "false")
-    fused = curves(1, tmp_path / "fused", *common, "--training.fused_loss", "true")
     assert base["loss"][-1] < base["loss"][0] and base["mtp_loss"][0] > 0
-    diff = worst(base, fused)
-    print("fused vs unfused, one process, max relative differences:", diff)
-    assert_exact("one process", diff)
+    for name, mode in FUSED.items():
+        fused = curves(1, tmp_path / name, *common, *mode)
+        diff = worst(base, fused)
+        print(f"fused ({name}) vs unfused, one process, max relative differences:", diff)
+        assert_exact(f"one process, {name}", diff)
 
 
+FUSED = {
+    "in forward": ["--training.fused_loss", "true"],
+    "recompute": ["--training.fused_loss", "true", "--training.fused_loss_recompute", "true"],
+}
+TP = ["--parallelism.tensor_parallel_degree", "2"]
+# Each layout with the default fused loss; the recomputing one where it differs from it most
+# (its reduction over the vocabulary shards: both modes reduce the same way under pp and cp).
 LAYOUTS = {
-    "dp_shard 2 x tp 2": (4, ["--parallelism.tensor_parallel_degree", "2"], 2),
-    "pp 2": (2, ["--parallelism.pipeline_parallel_degree", "2"], 4),
-    "cp 2": (2, ["--parallelism.context_parallel_degree", "2"], 4),
+    "dp_shard 2 x tp 2": (4, TP, 2, FUSED["in forward"]),
+    "dp_shard 2 x tp 2, recompute": (4, TP, 2, FUSED["recompute"]),
+    "pp 2": (2, ["--parallelism.pipeline_parallel_degree", "2"], 4, FUSED["in forward"]),
+    "cp 2": (2, ["--parallelism.context_parallel_degree", "2"], 4, FUSED["in forward"]),
 }
 
 
@@ -244,11 +303,10 @@ def test_fused_layouts_train_as_one_unfused_process(tmp_path: Path) -> None:
     unfused (and the layout unfused, to show the fused loss adds no difference of its own)."""
     base = curves(1, tmp_path / "one", "--training.local_batch_size", "4")
     measured = {}
-    for name, (world, args, local) in LAYOUTS.items():
+    for i, (name, (world, args, local, mode)) in enumerate(LAYOUTS.items()):
         batch = ["--training.local_batch_size", str(local)]
-        folder = tmp_path / name.replace(" ", "")
         start = time.perf_counter()
-        fused = curves(world, folder / "fused", *args, *batch, "--training.fused_loss", "true")
+        fused = curves(world, tmp_path / f"layout{i}", *args, *batch, *mode)
         measured[name] = worst(base, fused)
         measured[name]["seconds"] = time.perf_counter() - start
     print("fused layouts vs one unfused process, max relative differences:", measured)
@@ -266,7 +324,7 @@ def test_under_float8_the_fused_projection_stays_in_high_precision(tmp_path: Pat
         *("--model.converters", "float8", "--float8.auto_filter_small", "false"),
         *("--training.steps", str(STEPS), "--training.seq_len", "64", "--metrics.log_freq", "1"),
         *("--validation.enable", "false", "--checkpoint.enable", "false"),
-        *("--training.local_batch_size", "2", "--training.fused_loss_chunk", "700"),
+        *("--training.local_batch_size", "2", "--training.fused_loss_tokens", "50"),
     ]
     runs = {}
     for fused, filters in (("false", "output,router"), ("true", "router")):

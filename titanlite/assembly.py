@@ -169,7 +169,7 @@ def assemble_model(
         compile=cfg.compile,
         device=device,
         # (+ z, MTP; fused with the projection under training.fused_loss): loss.py
-        loss_sum=TrainingLoss.of(cfg.training.z_loss_weight, args, cfg.training.fused_loss_chunk),
+        loss_sum=TrainingLoss.of(cfg.training, args),
         converters=applied,
         init_weights=init_weights,
         documents=documents,

@@ -41,6 +41,7 @@ from titanlite.models.interfaces import AttentionCore, find
 from titanlite.parallel.context.window import kv_rows_kept
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.materialize import materialize
+from titanlite.training.fused_loss import auto_tokens
 
 # fp32 master weights, fp32 gradients, and AdamW's two fp32 moments.
 BYTES_PER_PARAM = {"params": 4, "grads": 4, "optimizer": 8}
@@ -247,23 +248,37 @@ def _loss_bytes(cfg: JobConfig, args: Any, *, tokens: int, tp: int) -> tuple[int
     micro-batch of ``tokens`` on a rank (its vocabulary shard under TP). Unfused: the float32
     logits are kept (their log-softmax, the same size) and backward adds their gradient and
     the log-softmax's: 3 copies at the peak, measured on CPU (scripts/bench_memory.py).
-    Fused (training.fused_loss): nothing of vocabulary size is kept; each chunk holds a
-    [tokens, chunk] block and its exponentials or gradient, 2 blocks at the peak."""
+    Fused (training.fused_loss): one [block, vocab] float32 block of logits (and in a 16-bit
+    param dtype, its 16-bit product and gradient), dh and dW accumulated in float32 and kept
+    in the param dtype. Recomputing (fused_loss_recompute): nothing of vocabulary size is
+    kept; each chunk holds a [tokens, chunk] block and its exponentials or gradient, 2 blocks
+    at the peak."""
     t = cfg.training
     vocab = -(-args.vocab_size // tp)
     logits = tokens * vocab * 4
-    blocks = 2 * tokens * min(t.fused_loss_chunk, vocab) * 4
-    unfused, fused = (logits, 3 * logits), (0, blocks)
+    unfused = (logits, 3 * logits)
+    copies = f"3 copies of the {logits / GIB:.2f} GiB float32 logits"
+    if t.fused_loss_recompute:
+        rows = min(t.fused_loss_chunk, vocab)
+        fused = (0, 2 * tokens * rows * 4)
+        shape = f"2 x [{tokens:,}, {rows:,}] float32 blocks"
+    else:
+        rows = min(t.fused_loss_tokens or auto_tokens(vocab), tokens)
+        elem = DTYPES[t.mixed_precision_param].itemsize
+        grads = (vocab + tokens) * args.dim
+        kept = grads * elem
+        block = rows * vocab * (4 + 2 * (4 - elem))  # + a 16-bit product and gradient
+        fused = (kept, block + grads * 4 + (kept if elem < 4 else 0))
+        shape = (
+            f"a [{rows:,}, {vocab:,}] float32 block, dh and dW in float32; "
+            f"{kept / GIB:.2f} GiB of dh and dW kept for backward"
+        )
     kept, peak = fused if t.fused_loss else unfused
     saving = (unfused[1] - fused[1]) / GIB
-    copies = f"3 copies of the {logits / GIB:.2f} GiB float32 logits"
-    chunks = f"2 x [{tokens:,}, {min(t.fused_loss_chunk, vocab):,}] float32 blocks"
     if t.fused_loss:
-        line = f"fused: ~{peak / GIB:.2f} GiB at its peak ({chunks}); unfused {copies}"
+        line = f"fused: ~{peak / GIB:.2f} GiB at its peak ({shape}); unfused {copies}"
     else:
-        line = (
-            f"unfused: ~{peak / GIB:.2f} GiB at its peak ({copies}); training.fused_loss {chunks}"
-        )
+        line = f"unfused: ~{peak / GIB:.2f} GiB at its peak ({copies}); training.fused_loss {shape}"
     return kept, peak, f"  loss            {line}: {saving:.2f} GiB less fused"
 
 

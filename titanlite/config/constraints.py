@@ -51,6 +51,7 @@ def validate(cfg: JobConfig) -> None:
         problems.add(f"training.seq_len_schedule: {e}")
     require(t.z_loss_weight >= 0, "training.z_loss_weight", "must be >= 0 (0 = off)")
     require(t.fused_loss_chunk >= 1, "training.fused_loss_chunk", "must be at least 1")
+    require(t.fused_loss_tokens >= 0, "training.fused_loss_tokens", "must be 0 (automatic) or more")
     require(
         set(t.skip_spikes) <= set(SPIKE_VALUES),
         "training.skip_spikes",

@@ -171,13 +171,14 @@ class Training:
     training objective, keeping the output logits from drifting large (1e-4 is usual; 0 = off).
     Logged apart as z_loss; docs/stability.md."""
     fused_loss: bool = False
-    """Fuse the output projection with the loss: the hidden states are projected and reduced over
-    the vocabulary in chunks (an online log-sum-exp; backward recomputes each chunk), so the
-    [tokens, vocab] logits and their gradient never exist. Same loss and gradients to float32
-    rounding, under every layout; docs/performance.md."""
+    """Fuse the output projection with the loss (gradients computed in its forward, a block of
+    tokens at a time): no [tokens, vocab] logits. Exact to rounding; docs/performance.md."""
+    fused_loss_tokens: int = 0
+    """With fused_loss: tokens per [tokens, vocab shard] float32 block; 0 = about 256 MiB."""
+    fused_loss_recompute: bool = False
+    """With fused_loss: vocabulary chunks recomputed in backward (no dW kept; 4/3 the products)."""
     fused_loss_chunk: int = 8192
-    """With fused_loss: vocabulary rows per chunk (per tensor-parallel shard). Each chunk holds a
-    [tokens, chunk] float32 block of logits."""
+    """With fused_loss_recompute: vocabulary rows (per TP shard) per [tokens, chunk] block."""
     skip_spikes: list[str] = field(default_factory=list)
     """Skip the optimizer update of a step whose global value exceeds the mean + spike_sigmas x the
     standard deviation of the last spike_window accepted steps: any of loss, grad_norm (empty =

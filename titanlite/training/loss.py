@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from titanlite.data.batches import IGNORE_INDEX
 from titanlite.parallel.ddp.collectives import full_tensor
 from titanlite.runtime import distributed
-from titanlite.training.fused_loss import head_scores
+from titanlite.training.fused_loss import head_objective, head_scores
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -96,21 +96,32 @@ class TrainingLoss:
         mtp_weight: float = 0.0,
         *,
         chunk: int = 8192,
+        recompute: bool = False,
+        tokens: int = 0,
     ) -> None:
         self.z_loss_weight = z_loss_weight
         self.mtp_layers, self.mtp_weight = mtp_layers, mtp_weight
-        self.chunk = chunk  # vocabulary rows per chunk of the fused loss
+        # The fused loss: gradients in its forward, `tokens` per block (0: automatic), or
+        # with `recompute` recomputed in backward, `chunk` vocabulary rows at a time.
+        self.chunk, self.recompute, self.tokens = chunk, recompute, tokens
         self.names: tuple[str, ...] = (
             ("loss",) + ("z_loss",) * (z_loss_weight > 0) + ("mtp_loss",) * (mtp_layers > 0)
         )
 
     @classmethod
-    def of(cls, z_loss_weight: float, model_args: object, chunk: int = 8192) -> TrainingLoss:
-        """The loss of a run: training.z_loss_weight, the model's MTP depths, if any, and
-        training.fused_loss_chunk."""
+    def of(cls, training: object, model_args: object) -> TrainingLoss:
+        """The loss of a run: ``training``'s z_loss_weight and fused_loss_* settings, the
+        model's MTP depths, if any."""
         depths = getattr(model_args, "mtp_layers", 0)
         weight = getattr(model_args, "mtp_loss_weight", 0.0)
-        return cls(z_loss_weight, depths, weight, chunk=chunk)
+        return cls(
+            training.z_loss_weight,
+            depths,
+            weight,
+            chunk=training.fused_loss_chunk,
+            recompute=training.fused_loss_recompute,
+            tokens=training.fused_loss_tokens,
+        )
 
     def targets(self, labels: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
         """The labels ``__call__`` takes in training: with MTP depths, ``mtp_labels``."""
@@ -147,27 +158,36 @@ class TrainingLoss:
         self, hidden: torch.Tensor, labels: torch.Tensor, head: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``__call__`` from the final hidden states [batch, (1 + depths) x seq, dim] and the
-        output weight: one chunked pass over the vocabulary for the main positions and every
-        depth's together (their hidden states follow each other along the sequence as the
-        labels' rows do)."""
+        output weight: one pass over the main positions and every depth's together (their
+        hidden states follow each other along the sequence as the labels' rows do)."""
         rows = labels.shape[1] if labels.dim() == 3 else 1
         flat = labels.flatten(1)  # [batch, rows x seq], in the order of the hidden states
-        lse, target = head_scores(hidden, head, flat, chunk=self.chunk)
-        counted = flat != IGNORE_INDEX
-        per_row = torch.where(counted, lse - target, 0.0).view(len(flat), rows, -1).sum((0, 2))
+        counted = (flat != IGNORE_INDEX).view(len(flat), rows, -1)
+        mtp_on = self.mtp_layers > 0 and rows > 1
+        fused = None
+        if self.recompute:
+            lse, target = head_scores(hidden, head, flat, chunk=self.chunk)
+        else:  # each position's weight in the objective: the terms below, differentiated
+            share = torch.ones(rows, device=flat.device)
+            share[1:] = self.mtp_weight / (rows - 1) if mtp_on else 0.0
+            ce_weight = counted * share.view(1, rows, 1)
+            z_weight = torch.zeros_like(ce_weight)
+            z_weight[:, 0] = self.z_loss_weight * counted[:, 0]
+            weights = torch.stack([ce_weight, z_weight]).view(2, *flat.shape)
+            fused, lse, target = head_objective(hidden, head, flat, weights, tokens=self.tokens)
+        lse, target = lse.view(counted.shape), target.view(counted.shape)
+        per_row = torch.where(counted, lse - target, 0.0).sum((0, 2))
         ce = per_row[0]
         objective, terms = ce, [ce.detach()]
         if self.z_loss_weight > 0:
-            main = lse.view(len(flat), rows, -1)[:, 0]
-            main_counted = counted.view(len(flat), rows, -1)[:, 0]
-            z = self.z_loss_weight * torch.where(main_counted, main.square(), 0.0).sum()
+            z = self.z_loss_weight * torch.where(counted[:, 0], lse[:, 0].square(), 0.0).sum()
             objective, terms = objective + z, [*terms, z.detach()]
         if self.mtp_layers > 0:
             mtp = per_row[1:].mean() if rows > 1 else ce.new_zeros(())
-            if rows > 1:
+            if mtp_on:
                 objective = objective + self.mtp_weight * mtp
             terms.append(mtp.detach())
-        return objective, torch.stack(terms)
+        return (objective if fused is None else fused), torch.stack(terms)
 
 
 class StepLoss:

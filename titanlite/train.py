@@ -144,4 +144,12 @@ def run(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    # Everything is closed and flushed: the interpreter's last full collection, over every object
+    # torch and the libraries made, would only cost time (about 1 s of CPU per process; 3 to 5 s
+    # from "training finished" to the launcher's exit for 4 ranks on 2 cores). Frozen objects are
+    # left out of it; those freed by reference counting still are, as before.
+    import gc
+
+    gc.freeze()
+    sys.exit(status)

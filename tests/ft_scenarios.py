@@ -9,7 +9,9 @@ all of it is steered through files in one control folder (TITANLITE_FT_TEST_DIR)
   quorum together (a process started later, as a restart, finds ``go`` there and goes on).
 - ``pace``: "SECONDS FROM_STEP": seconds every step from FROM_STEP on sleeps before its forward
   (read again at each step), so the test sets the pace of the run while it goes on (slow while
-  a group is away and coming back), or makes a given step last.
+  a group is away and coming back), or makes a given step last. A process asked to stop
+  (SIGTERM, SIGUSR1, Ctrl-C: titanlite.runtime.stop_signals) ends its sleep there: a step made
+  long for a signal to land in costs only until the signal came.
 - ``trace-<group>-<rank>.jsonl``: one record per step attempt of that rank of the group: pid,
   rank, step, committed, the groups in the step, how long its quorum took (a heal included),
   whether that quorum healed this process, a sha256 of the rank's parameters (its local shards
@@ -72,6 +74,19 @@ def _write(name, text):
     os.replace(tmp, _path(name))  # never read half-written
 
 
+def _asked_to_stop():
+    signals = sys.modules.get("titanlite.runtime.stop_signals")
+    return signals is not None and (
+        signals.preempt_signal() is not None or signals.interrupted()
+    )
+
+
+def _sleep(seconds):  # that long, or until this process is asked to stop
+    deadline = time.monotonic() + seconds
+    while not _asked_to_stop() and time.monotonic() < deadline:
+        time.sleep(min(0.02, max(deadline - time.monotonic(), 0.0)))
+
+
 def _pace(step):
     try:
         with open(_path("pace")) as f:
@@ -101,7 +116,7 @@ def _patch(module):
         pace = _pace(trainer.state.step)
         _write(f"step-{_GROUP[0]}-{_RANK[0]}", f"{trainer.state.step} {pace}")
         if pace > 0:
-            time.sleep(pace)
+            _sleep(pace)
         out = train_step(trainer, *args, **kwargs)
         record = {
             "pid": os.getpid(),

@@ -12,6 +12,8 @@ import re
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from itertools import groupby
 from pathlib import Path
 
@@ -224,46 +226,25 @@ def test_a_group_of_two_ranks_killed_inside_a_save_resumes_its_last_checkpoint_a
     assert trace(control, 0, 0)[0]["before"] != trace(control, 0, 1)[0]["before"]
 
 
-# ----------------------------------------------------- a live group late to a quorum
-LATE_AT = 4  # the step whose quorum group 2 asks for late
-LATE_BY = 3.0  # seconds: a group asks this late for one quorum (ft_local.sh waits 10 s)
-
-
-@pytest.mark.slow
-def test_a_group_late_to_a_quorum_is_waited_for_not_left_out(tmp_path):
-    """3 groups of one process, started by ft_local.sh as a user does. Group 2 asks for step
-    LATE_AT's quorum LATE_BY seconds after the others, heartbeating all along (a save or a
-    validation slower on its node, a pause of the machine): it is alive, so it takes part in
-    every step. Every group commits every step once, with the three groups, and none is
-    healed (a heal would mean it was left out of a step and lost it). (Left out, it is healed
-    at the next step, or, once the others have ended, trains the rest alone: it ends with
-    other parameters than theirs.)"""
-    steps = 8
-    run = Run(tmp_path, groups=3, steps=steps, pace=0)
-    control = run.control
-    (control / "late-2").write_text(f"{LATE_AT} {LATE_BY}")
-    try:
-        wait_for(
-            "the three groups to start",
-            lambda: set(markers(control, "ready")) == {0, 1, 2},
-            240,
-            run.launcher_running,
-        )
-        (control / "go").touch()
-        assert run.launcher.wait(timeout=300) == 0, run.output()
-    finally:
-        run.kill_everything()
-    for g in (0, 1, 2):
-        records = trace(control, g)
-        assert [r["step"] for r in committed(control, g)] == list(range(1, steps + 1)), g
-        assert [r["replicas"] for r in committed(control, g)] == [3] * steps, g
-        assert not any(r["healed"] for r in records), g
-
-
-# ------------------------------------------------------------ a full stop, then a resume
+# ---------------------- a full stop, then a resume; beside it, a live group late to a quorum
+# Two runs of 2 groups of one process, side by side (their start-ups overlap: most of the time
+# here), shared by the two tests below: one stopped at once by SIGTERM and launched again with
+# the same command, and the uninterrupted run it must equal, in which group 1 asks for one
+# quorum late (which changes no number, if it is waited for).
 STOP_STEPS = 12
 STOP_AT = 4  # the step every group is in when ft_local.sh gets SIGTERM
-STOP_WINDOW = 5.0  # seconds that step sleeps before its forward: the signal lands inside
+STOP_WINDOW = 60.0  # seconds that step may sleep before its forward: the signal lands inside
+# (and ends the sleep: tests/ft_scenarios.py)
+LATE_AT = 4  # the step whose quorum group 1 of the uninterrupted run asks for late
+LATE_BY = 3.0  # seconds: a group asks this late for one quorum (ft_local.sh waits 10 s)
+GROUPS = [0, 1]
+
+
+@dataclass
+class FullStop:
+    run: Run  # stopped by SIGTERM in step STOP_AT, then launched again
+    reference: Run  # uninterrupted; group 1 late to step LATE_AT's quorum
+    statuses: dict[str, int]  # ft_local.sh's exit statuses
 
 
 def asleep_in(control: Path, groups: list[int], step: int) -> bool:
@@ -271,41 +252,38 @@ def asleep_in(control: Path, groups: list[int], step: int) -> bool:
     return all(in_step(control, g) == (step, STOP_WINDOW) for g in groups)
 
 
-@pytest.mark.slow
-def test_every_group_stopped_at_once_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path):
-    """2 groups of one process. SIGTERM to ft_local.sh while both are in step STOP_AT: each
-    group finishes it, saves it and exits 75. The same command again: each group resumes from
-    its own checkpoint (no heal: they are at the same step) and the run ends as an
-    uninterrupted run of the same groups does, bitwise: the parameters at every step, the
-    losses logged."""
+@pytest.fixture(scope="module")
+def full_stop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FullStop]:
+    tmp_path = tmp_path_factory.mktemp("full-stop")
     args = ("--checkpoint.enable", "true", "--checkpoint.interval", "1000")
-    groups = [0, 1]
-    # (a group a second late to a quorum, on this busy machine, must not be left out of a
-    # step: test_a_group_late_to_a_quorum_is_waited_for_not_left_out)
+    # The uninterrupted run: the lighthouse as ft_local.sh ships it. The stopped run: a join
+    # timeout of JOIN_TIMEOUT_MS whatever that default becomes (a group a second late to a
+    # quorum, on this busy machine, must not be left out of a step).
+    reference = Run(tmp_path / "reference", groups=2, steps=STOP_STEPS, args=args, pace=0)
     env = {"FT_JOIN_TIMEOUT_MS": str(JOIN_TIMEOUT_MS)}
-    # The uninterrupted run beside it (their start-ups overlap: most of this test's time).
-    reference = Run(tmp_path / "reference", groups=2, steps=STOP_STEPS, args=args, pace=0, env=env)
     run = Run(tmp_path / "stopped", groups=2, steps=STOP_STEPS, args=args, pace=0, env=env)
+    (reference.control / "late-1").write_text(f"{LATE_AT} {LATE_BY}")
     control = run.control
     set_pace(control, STOP_WINDOW, from_step=STOP_AT)
+    statuses = {}
     try:
         for each in (reference, run):  # every group started, then all step together
             wait_for(
                 "the two groups to start",
-                lambda each=each: set(markers(each.control, "ready")) == set(groups),
+                lambda each=each: set(markers(each.control, "ready")) == set(GROUPS),
                 240,
                 each.launcher_running,
             )
             (each.control / "go").touch()
         wait_for(
             f"both groups asleep in step {STOP_AT}",
-            lambda: asleep_in(control, groups, STOP_AT),
+            lambda: asleep_in(control, GROUPS, STOP_AT),
             240,
             run.launcher_running,
         )
         os.kill(run.launcher.pid, signal.SIGTERM)
-        assert run.launcher.wait(timeout=120) == 75, run.output()
-        first_pids = {g: markers(control, "ready")[g] for g in groups}
+        statuses["stopped"] = run.launcher.wait(timeout=120)
+        first_pids = {g: markers(control, "ready")[g] for g in GROUPS}
 
         # The same command again, every group started together (as at the first launch).
         (control / "go").unlink()
@@ -313,22 +291,60 @@ def test_every_group_stopped_at_once_resumes_from_its_checkpoint_as_if_never_sto
         run.launch()
         wait_for(
             "the two groups to start again",
-            lambda: all(run.new_pids(g, set(first_pids[g])) for g in groups),
+            lambda: all(run.new_pids(g, set(first_pids[g])) for g in GROUPS),
             240,
             run.launcher_running,
         )
         (control / "go").touch()
-        assert run.launcher.wait(timeout=300) == 0, run.output()
-        assert reference.launcher.wait(timeout=300) == 0, reference.output()
+        statuses["resumed"] = run.launcher.wait(timeout=300)
+        statuses["reference"] = reference.launcher.wait(timeout=300)
     finally:
         run.kill_everything()
         reference.kill_everything()
+    yield FullStop(run, reference, statuses)
 
+
+@pytest.mark.slow
+def test_a_group_late_to_a_quorum_is_waited_for_not_left_out(full_stop: FullStop) -> None:
+    """2 groups of one process, started by ft_local.sh as a user does (the uninterrupted run of
+    ``full_stop``). Group 1 asks for step LATE_AT's quorum LATE_BY seconds after the other,
+    heartbeating all along (a save or a validation slower on its node, a pause of the
+    machine): it is alive, so it takes part in every step. Every group commits every step
+    once, with both groups, and none is healed (a heal would mean it was left out of a step and
+    lost it). (Left out, it is healed at the next step, or, once the other has ended, trains
+    the rest alone: it ends with other parameters than the other group's.)"""
+    reference = full_stop.reference
+    assert full_stop.statuses["reference"] == 0, reference.output()
+    control = reference.control
+    for g in GROUPS:
+        records = trace(control, g)
+        assert [r["step"] for r in committed(control, g)] == list(range(1, STOP_STEPS + 1)), g
+        assert [r["replicas"] for r in committed(control, g)] == [2] * STOP_STEPS, g
+        assert not any(r["healed"] for r in records), g
+    # It was late: group 0 waited in that quorum for most of LATE_BY.
+    waited = next(r["quorum_s"] for r in committed(control, 0) if r["step"] == LATE_AT)
+    assert waited > LATE_BY / 3, waited
+
+
+@pytest.mark.slow
+def test_every_group_stopped_at_once_resumes_from_its_checkpoint_as_if_never_stopped(
+    full_stop: FullStop,
+) -> None:
+    """2 groups of one process. SIGTERM to ft_local.sh while both are in step STOP_AT: each
+    group finishes it, saves it and exits 75. The same command again: each group resumes from
+    its own checkpoint (no heal: they are at the same step) and the run ends as an
+    uninterrupted run of the same groups does (``full_stop``'s), bitwise: the parameters at
+    every step, the losses logged."""
+    run, reference = full_stop.run, full_stop.reference
+    control = run.control
     first_output = run.launches[0][1].read_text()
-    for g in groups:
+    assert full_stop.statuses["stopped"] == 75, first_output
+    assert full_stop.statuses["resumed"] == 0, run.output()
+    assert full_stop.statuses["reference"] == 0, reference.output()
+    for g in GROUPS:
         assert f"ft_local: replica {g} ended with status 75 " in first_output, first_output
         assert f"ft_local: replica {g} ended with status 0 " in run.output(), run.output()
-    for g in groups:
+    for g in GROUPS:
         # Two processes: the first to the step it was stopped in, the second from the next.
         records = committed(control, g)
         pids = [r["pid"] for r in records]
@@ -349,7 +365,7 @@ def test_every_group_stopped_at_once_resumes_from_its_checkpoint_as_if_never_sto
         ref_train, _ = read_metrics(reference.out / f"replica-{g}")
         losses = [r["loss"] for r in train if r.get("kind") is None]
         assert losses == [r["loss"] for r in ref_train], g
-    ends = {committed(control, g)[-1]["after"] for g in groups}
+    ends = {committed(control, g)[-1]["after"] for g in GROUPS}
     assert ends == {committed(reference.control, 0)[-1]["after"]}
 
 

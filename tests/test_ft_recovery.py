@@ -40,7 +40,7 @@ pytestmark = pytest.mark.skipif(
 FSDP_STEPS = 45  # the survivors' steps: the returning group rejoins well before the end
 SAVE_EVERY = 5
 SAVE_KILL_AT = 2 * SAVE_EVERY  # group 2 is killed inside its save of this step (its second)
-AWAY_PACE = 0.5  # seconds every step sleeps while group 2 is away and coming back
+AWAY_PACE = 0.5  # seconds every step sleeps while group 2 is away and coming back (none before)
 JOIN_TIMEOUT_MS = 10000  # the lighthouse's (ft_local.sh's FT_JOIN_TIMEOUT_MS); below
 
 
@@ -78,7 +78,7 @@ def test_a_group_of_two_ranks_killed_inside_a_save_resumes_its_last_checkpoint_a
     # can leave out a survivor that asks a second after the other, which is then healed and
     # never commits that step (test_a_group_late_to_a_quorum_is_waited_for_not_left_out).
     env = {"FT_JOIN_TIMEOUT_MS": str(JOIN_TIMEOUT_MS)}
-    run = Run(tmp_path, steps=FSDP_STEPS, ngpu=2, args=args, env=env)
+    run = Run(tmp_path, steps=FSDP_STEPS, ngpu=2, args=args, pace=0, env=env)
     control, survivors, ranks = run.control, [0, 1], [0, 1]
     (control / "pause-save-2").write_text(f"{SAVE_KILL_AT} 600")  # until it is killed
     checkpoints = run.out / "replica-2" / "checkpoint"

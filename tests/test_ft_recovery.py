@@ -12,7 +12,6 @@ import re
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import groupby
 from pathlib import Path
@@ -253,7 +252,7 @@ def asleep_in(control: Path, groups: list[int], step: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def full_stop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FullStop]:
+def full_stop(tmp_path_factory: pytest.TempPathFactory) -> FullStop:
     tmp_path = tmp_path_factory.mktemp("full-stop")
     args = ("--checkpoint.enable", "true", "--checkpoint.interval", "1000")
     # The uninterrupted run: the lighthouse as ft_local.sh ships it. The stopped run: a join
@@ -301,7 +300,7 @@ def full_stop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FullStop]:
     finally:
         run.kill_everything()
         reference.kill_everything()
-    yield FullStop(run, reference, statuses)
+    return FullStop(run, reference, statuses)
 
 
 @pytest.mark.slow

@@ -320,9 +320,9 @@ def test_a_group_late_to_a_quorum_is_waited_for_not_left_out(full_stop: FullStop
         assert [r["step"] for r in committed(control, g)] == list(range(1, STOP_STEPS + 1)), g
         assert [r["replicas"] for r in committed(control, g)] == [2] * STOP_STEPS, g
         assert not any(r["healed"] for r in records), g
-    # It was late: group 0 waited in that quorum for most of LATE_BY.
+    # It was late: group 0 waited in that quorum (about LATE_BY; the others take milliseconds).
     waited = next(r["quorum_s"] for r in committed(control, 0) if r["step"] == LATE_AT)
-    assert waited > LATE_BY / 3, waited
+    assert waited > LATE_BY / 6, waited
 
 
 @pytest.mark.slow

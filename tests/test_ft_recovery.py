@@ -39,7 +39,7 @@ pytestmark = pytest.mark.skipif(
 FSDP_STEPS = 45  # the survivors' steps: the returning group rejoins well before the end
 SAVE_EVERY = 5
 SAVE_KILL_AT = 2 * SAVE_EVERY  # group 2 is killed inside its save of this step (its second)
-AWAY_PACE = 0.5  # seconds every step sleeps while group 2 is away and coming back (none before)
+AWAY_PACE = 0.5  # seconds every step sleeps while group 2 is coming back (from its restart)
 JOIN_TIMEOUT_MS = 10000  # the lighthouse's (ft_local.sh's FT_JOIN_TIMEOUT_MS); below
 
 
@@ -102,7 +102,6 @@ def test_a_group_of_two_ranks_killed_inside_a_save_resumes_its_last_checkpoint_a
             os.kill(pid, signal.SIGKILL)
         killed = time.time()
         (control / "pause-save-2").unlink()  # the restarted group saves as usual
-        set_pace(control, AWAY_PACE)
         wait_for(  # (a write in flight at the kill ends first)
             "group 2's processes to end",
             lambda: not any(ours(pid, control) for pid in victims),
@@ -124,6 +123,7 @@ def test_a_group_of_two_ranks_killed_inside_a_save_resumes_its_last_checkpoint_a
             120,
             run.launcher_running,
         )
+        set_pace(control, AWAY_PACE)
         restarted = time.time()
         final = run.restart(2)
         pids = wait_for(

@@ -180,7 +180,7 @@ def test_the_8b_dry_run_shows_the_loss_with_and_without_fusing() -> None:
 
     config = str(Path(__file__).parent.parent / "train_configs" / "llama3_8b.toml")
     reports = {}
-    for name, args in {"unfused": [], **FUSED}.items():
+    for name, args in {"unfused": UNFUSED, **FUSED}.items():
         cfg = load_config(["--job.config_file", config, *args])
         reports[name] = dry_run(cfg, 8, 128256)
     gib = {
@@ -273,7 +273,7 @@ def test_one_process_fused_trains_as_unfused_with_mtp_z_loss_and_documents(
     tmp_path: Path,
 ) -> None:
     common = ["--training.local_batch_size", "4", "--training.document_mask", "true"]
-    base = curves(1, tmp_path / "unfused", *common, "--training.fused_loss", "false")
+    base = curves(1, tmp_path / "unfused", *common, *UNFUSED)
     assert base["loss"][-1] < base["loss"][0] and base["mtp_loss"][0] > 0
     for name, mode in FUSED.items():
         fused = curves(1, tmp_path / name, *common, *mode)
@@ -282,6 +282,7 @@ def test_one_process_fused_trains_as_unfused_with_mtp_z_loss_and_documents(
         assert_exact(f"one process, {name}", diff)
 
 
+UNFUSED = ["--training.fused_loss", "false"]  # the default is fused
 FUSED = {
     "in forward": ["--training.fused_loss", "true"],
     "recompute": ["--training.fused_loss", "true", "--training.fused_loss_recompute", "true"],
@@ -301,7 +302,7 @@ LAYOUTS = {
 def test_fused_layouts_train_as_one_unfused_process(tmp_path: Path) -> None:
     """The same global batch of 4 sequences, fp32: each layout fused against one process
     unfused (and the layout unfused, to show the fused loss adds no difference of its own)."""
-    base = curves(1, tmp_path / "one", "--training.local_batch_size", "4")
+    base = curves(1, tmp_path / "one", "--training.local_batch_size", "4", *UNFUSED)
     measured = {}
     for i, (name, (world, args, local, mode)) in enumerate(LAYOUTS.items()):
         batch = ["--training.local_batch_size", str(local)]

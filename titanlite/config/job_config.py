@@ -170,9 +170,9 @@ class Training:
     """Weight of the z-loss: this times the mean over target tokens of logsumexp(logits)^2 joins the
     training objective, keeping the output logits from drifting large (1e-4 is usual; 0 = off).
     Logged apart as z_loss; docs/stability.md."""
-    fused_loss: bool = False
+    fused_loss: bool = True
     """Fuse the output projection with the loss (gradients computed in its forward, a block of
-    tokens at a time): no [tokens, vocab] logits. Exact to rounding; docs/performance.md."""
+    tokens at a time): no [tokens, vocab] logits, same loss to rounding; docs/performance.md."""
     fused_loss_tokens: int = 0
     """With fused_loss: tokens per [tokens, vocab shard] float32 block; 0 = about 256 MiB."""
     fused_loss_recompute: bool = False

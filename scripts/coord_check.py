@@ -109,6 +109,9 @@ def coord_check(
                 "true" if mup else "false",
                 "--mup.base_dim",
                 str(base_dim),
+                # The logits' RMS is read at the output projection: the unfused loss runs it.
+                "--training.fused_loss",
+                "false",
                 "--job.dump_folder",
                 str(Path(tmp) / f"w{width}"),
                 *(extra or []),

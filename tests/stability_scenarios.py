@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
-from train_scenarios import DEBUG_CONFIG, read_run
+from train_scenarios import DEBUG_CONFIG, logits_of, read_run
 
 from titanlite.config import load_config
 from titanlite.data.batches import IGNORE_INDEX
@@ -26,7 +26,8 @@ def z_loss_by_hand(rank: int, world: int, argv: list[str]) -> dict[str, Any] | N
         squares, count = 0.0, 0
         with torch.no_grad():
             for inputs, labels in first:
-                lse = torch.logsumexp(trainer.model(inputs).double(), dim=-1)
+                logits = logits_of(trainer, trainer.model(inputs))
+                lse = torch.logsumexp(logits.double(), dim=-1)
                 targets = labels != IGNORE_INDEX
                 squares += float(lse[targets].square().sum())
                 count += int(targets.sum())

@@ -54,6 +54,9 @@ VOTE = ("all_reduce", True, "titanlite.runtime.stop_vote.start")
 VOTE_READ = ("__int__", "titanlite.runtime.stop_vote.settle")  # a CPU tensor: no device sync
 LOSS_SUM = TOKEN_COUNT  # the same call: the loss terms' sums, all-reduced over the loss group
 GUARD_READ = ("tolist", "titanlite.training.stability.accept")  # the step's loss and gradient norm
+# Under tensor parallelism the fused loss (the default) reduces each block of tokens' scores
+# over the vocabulary shards: two all-reduces (the maxima, then the sums); one block here.
+FUSED_TP = [("all_reduce", False, "titanlite.training.fused_loss._in_forward")] * 2
 # [health] (docs/reliability.md): a logged step also gathers every rank's step timings.
 STRAGGLERS = ("all_gather", False, "titanlite.health.stragglers._gather")
 
@@ -84,7 +87,7 @@ def test_a_step_that_is_not_logged_waits_only_for_the_token_count(work, layout):
     got = work(layout)[QUIET_STEP]
     assert got["reads"] == [VOTE_READ]
     own = [c for c in got["calls"] if c[2].startswith("titanlite.")]
-    assert own == [TOKEN_COUNT, VOTE]
+    assert own == [TOKEN_COUNT, *(FUSED_TP if "tp=2" in layout else []), VOTE]
     # The rest is the data-parallel engine's own (HSDP: FSDP all-reduces across replicas).
     assert all(c[2].startswith("torch.distributed.fsdp") for c in got["calls"] if c not in own)
 

@@ -99,6 +99,13 @@ def by_step(records: list[dict]) -> dict[int, dict]:
     return {r["step"]: r for r in records if "kind" not in r}
 
 
+def logits_of(trainer: Trainer, output: torch.Tensor) -> torch.Tensor:
+    """A one-process model's logits from its output: under the fused loss (the default) the
+    output is the final hidden states, which the deferred head's weight projects here."""
+    weight = trainer.model.head_weight()
+    return output if weight is None else output @ weight.t()
+
+
 def train_then_score(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
     """One process: train (its eval scores the tasks at the last step), then score each
     task file's rows directly from the trained model (a plain forward, log_softmax): per
@@ -119,7 +126,8 @@ def train_then_score(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
                     for choice in row.get("choices", [row.get("target")]):
                         context, ids = encode_pair(tok, row["context"], choice)
                         tokens = torch.tensor([context + ids])
-                        logp = torch.log_softmax(model(tokens[:, :-1]).double(), -1)[0]
+                        logits = logits_of(trainer, model(tokens[:, :-1]))
+                        logp = torch.log_softmax(logits.double(), -1)[0]
                         at = len(context) - 1
                         ll = sum(float(logp[at + i, t]) for i, t in enumerate(ids))
                         greedy = all(int(logp[at + i].argmax()) == t for i, t in enumerate(ids))

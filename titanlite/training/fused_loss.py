@@ -303,10 +303,8 @@ class _InForwardHead(torch.autograd.Function):
     def backward(
         ctx: torch.autograd.function.FunctionCtx, grad_objective: torch.Tensor, *_: object
     ) -> tuple[torch.Tensor | None, ...]:
-        if ctx.grads is None:
-            raise RuntimeError("the fused loss's backward runs once (no retain_graph)")
-        grad_hidden, grad_weight = ctx.grads
-        ctx.grads = None  # scaled in place, handed on, not kept
+        # Not consumed: a zero-bubble pipeline schedule runs backward twice (the input's
+        # gradient, then the weight's).
         scale = grad_objective.to(torch.float32)
-        scaled = [None if g is None else g.mul_(scale) for g in (grad_hidden, grad_weight)]
+        scaled = [None if g is None else g * scale for g in ctx.grads]
         return *scaled, None, None

@@ -112,6 +112,7 @@ def resolve_groups(
         for i, rule in enumerate(rules)
     ]
     scaled: dict[tuple[int, float], ParamGroup] = {}
+    muon_step = partial(spectral_lr, adjustment=muon_adjustment)  # μP's Muon factors (lr_scale)
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
@@ -127,7 +128,7 @@ def resolve_groups(
                 if lr_scale and group.optimizer == "adamw":
                     factor = lr_scale(name)
                 elif lr_scale and group.optimizer == "muon":
-                    factor = lr_scale(name, partial(spectral_lr, adjustment=muon_adjustment))
+                    factor = lr_scale(name, muon_step)
                 if factor != 1.0:
                     group = scaled.setdefault(
                         (id(group), factor),

@@ -2,27 +2,31 @@
 
     python scripts/ladder.py run CONFIG --sizes 64x2 128x2 256x4 --tokens 2e5 4e5 8e5 \\
         --lrs 1e-3 3e-3 --out ladder [--set section.key value ...]
+    python scripts/ladder.py run CONFIG --sizes 32x2 64x2 128x2 --tokens 0.5x 1x 2x ...
     python scripts/ladder.py fit ladder --budget 1e18 [--plot ladder/fit.png]
     python scripts/ladder.py transfer ladder [--plot ladder/transfer.png]
 
 ``run`` trains every size (``WIDTHxDEPTH``: model.dim x model.n_layers; heads = width /
 --head-dim) at every token budget (training.steps = tokens / (batch x seq_len)) and every
 learning rate, one run after the other (``--slurm`` writes an array job instead, one task per
-run), each in OUT/<size>-<tokens>-<lr>/. A run that finished (its ``ladder.json``) is not
-repeated: a ladder cut short resumes where it stopped. Its loss is the last validation loss
-(the last training loss without validation).
+run), each in OUT/<size>-<budget>-<lr>/. A budget is a number of tokens (``2e5``) or of tokens
+per parameter (``20x``: the size's parameters are counted first, from the run's own config,
+on the meta device). A run that finished (its ``ladder.json``) is not repeated: a ladder cut
+short resumes where it stopped. Its loss is the last validation loss (the last training loss
+without validation).
 
 ``fit`` takes the best learning rate of each (size, tokens) and fits, by least squares on the
-log of the loss with a Huber penalty (as the Chinchilla paper does), the law
-L(N, D) = E + A / N^alpha + B / D^beta (N: parameters, D: training tokens), and the simpler
-L(N) = E + A / N^alpha over the runs at the most common tokens-per-parameter ratio. It prints
-the parameters with bootstrap intervals (runs resampled), the compute-optimal N and D for
---budget FLOPs (C = 6 N D) with the loss predicted there, and plots the fit with the points.
+relative residuals, the law L(N, D) = E + A / N^alpha + B / D^beta (N: parameters, D: training
+tokens), and the simpler L(N) = E + A / N^alpha over the runs at the most common
+tokens-per-parameter ratio (a budget given as ``20x``). It prints the parameters with
+bootstrap intervals (runs resampled), the compute-optimal N and D for --budget FLOPs
+(C = 6 N D) with the loss predicted there, and plots the fit with the points (and the optimum).
 ``transfer`` reads a ladder run with several learning rates (with or without ``--set
 mup.enable true``) and prints, per size and token budget, the loss at each learning rate and
 which is best: with μP the best stays put as the width grows.
 
-Exit 2: bad input (no finished runs, fewer runs than parameters, a malformed size).
+Exit 2: bad input (no finished runs, fewer runs than parameters, a malformed size or budget,
+a config the runs cannot build).
 """
 
 from __future__ import annotations
@@ -151,15 +155,36 @@ def parse_size(text: str) -> tuple[int, int]:
     return width, depth
 
 
-def run_name(size: str, tokens: float, lr: float) -> str:
-    return f"{size}-{tokens:g}-{lr:g}"
+def parse_budget(text: str) -> tuple[float, bool]:
+    """A token budget: (tokens, False) for "2e5", (tokens per parameter, True) for "20x"."""
+    per_param = text.lower().endswith("x")
+    try:
+        value = float(text[:-1] if per_param else text)
+    except ValueError:
+        value = math.nan
+    if not value > 0 or not math.isfinite(value):
+        raise ValueError(
+            f"token budget {text!r}: expected a positive number of tokens (2e5) or of tokens "
+            "per parameter (20x)"
+        )
+    return value, per_param
+
+
+def run_name(size: str, tokens: float | str, lr: float) -> str:
+    """The run's folder: the budget as given ("20x") or its tokens."""
+    return f"{size}-{tokens if isinstance(tokens, str) else format(tokens, 'g')}-{lr:g}"
+
+
+def steps_of(tokens: float, args: argparse.Namespace) -> int:
+    return max(1, round(tokens / (args.batch * args.seq_len)))
 
 
 def run_argv(
-    config: str, size: str, tokens: float, lr: float, args: argparse.Namespace
+    config: str, size: str, tokens: float, lr: float, args: argparse.Namespace, *, label: str = ""
 ) -> list[str]:
+    """The trainer's arguments for one run (``label``: its budget as written, for its folder)."""
     width, depth = parse_size(size)
-    steps = max(1, round(tokens / (args.batch * args.seq_len)))
+    steps = steps_of(tokens, args)
     heads = max(1, width // args.head_dim)
     extra = [x for key, value in args.set for x in (f"--{key}", value)]
     return [
@@ -169,7 +194,7 @@ def run_argv(
         "--training.local_batch_size", str(args.batch), "--training.seq_len", str(args.seq_len),
         "--training.steps", str(steps), "--optimizer.lr", str(lr),
         "--checkpoint.enable", "false",
-        "--job.dump_folder", str(Path(args.out) / run_name(size, tokens, lr)),
+        "--job.dump_folder", str(Path(args.out) / run_name(size, label or tokens, lr)),
         *extra,
     ]  # fmt: skip
 
@@ -185,18 +210,58 @@ def final_loss(folder: Path) -> float | None:
     return (val or train or [None])[-1]
 
 
+def count_parameters(config: str, size: str, args: argparse.Namespace) -> int:
+    """The parameters a run of this size trains: its model as the trainer builds it, from the
+    run's own config, on the meta device (ValueError: the config's problem, in one line)."""
+    import torch
+
+    from titanlite.assembly import build_model_args
+    from titanlite.checks import check
+    from titanlite.config import load_config
+    from titanlite.errors import UserError
+    from titanlite.models.layers import count_params
+
+    try:
+        cfg = load_config(run_argv(config, size, 1, 1.0, args))
+        tokenizer = check(cfg, 1)
+        spec, model_args = build_model_args(cfg, tokenizer.vocab_size if tokenizer else 0)
+    except UserError as e:
+        problems = [line for line in str(e).split("\n") if line]
+        raise ValueError(f"size {size}: " + "; ".join(problems)) from None
+    with torch.device("meta"):
+        return count_params(spec.build(model_args))
+
+
+def plan_ladder(args: argparse.Namespace) -> list[tuple[str, str, float, float | None, float]]:
+    """Every run: (size, its folder's budget label, tokens, tokens per parameter, lr)."""
+    budgets = [parse_budget(t) for t in args.tokens]
+    params = {}
+    for size in args.sizes:
+        parse_size(size)
+        if any(per_param for _, per_param in budgets):
+            params[size] = count_parameters(args.config, size, args)
+    cells = []
+    for size, (value, per_param), lr in itertools.product(args.sizes, budgets, args.lrs):
+        tokens = value * params[size] if per_param else value
+        tokens = float(steps_of(tokens, args) * args.batch * args.seq_len)  # as trained
+        label = f"{value:g}x" if per_param else f"{value:g}"
+        cells.append((size, label, tokens, value if per_param else None, lr))
+    return cells
+
+
 def run_ladder(args: argparse.Namespace) -> int:
     try:
-        for size in args.sizes:
-            parse_size(size)
+        grid = plan_ladder(args)
     except ValueError as e:
         print(f"ladder.py: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    grid = list(itertools.product(args.sizes, args.tokens, args.lrs))
     if args.slurm:
-        lines = [" ".join(run_argv(args.config, *cell, args)) for cell in grid]
+        lines = [
+            " ".join(run_argv(args.config, size, tokens, lr, args, label=label))
+            for size, label, tokens, _, lr in grid
+        ]
         (out / "runs.txt").write_text("\n".join(lines) + "\n")
         (out / "ladder.slurm").write_text(
             "#!/bin/bash\n#SBATCH --job-name=ladder\n"
@@ -206,8 +271,8 @@ def run_ladder(args: argparse.Namespace) -> int:
         )
         print(f"wrote {out / 'ladder.slurm'} ({len(grid)} runs): sbatch it, then ladder.py fit")
         return 0
-    for i, (size, tokens, lr) in enumerate(grid, 1):
-        folder = out / run_name(size, tokens, lr)
+    for i, (size, label, tokens, per_param, lr) in enumerate(grid, 1):
+        folder = out / run_name(size, label, lr)
         done = folder / "ladder.json"
         if done.exists():
             print(f"[{i}/{len(grid)}] {folder.name}: done before", flush=True)
@@ -216,7 +281,7 @@ def run_ladder(args: argparse.Namespace) -> int:
             sys.executable,
             "-m",
             "titanlite.train",
-            *run_argv(args.config, size, tokens, lr, args),
+            *run_argv(args.config, size, tokens, lr, args, label=label),
         ]
         print(f"[{i}/{len(grid)}] {folder.name}: training", flush=True)
         folder.mkdir(parents=True, exist_ok=True)
@@ -232,6 +297,8 @@ def run_ladder(args: argparse.Namespace) -> int:
             "size": size, "width": width, "depth": depth, "tokens": tokens, "lr": lr,
             "params": info["num_params"], "loss": loss,
         }  # fmt: skip
+        if per_param is not None:
+            record["tokens_per_param"] = per_param
         done.write_text(json.dumps(record))
         print(f"  loss {loss:.4f} ({info['num_params']:,} parameters)", flush=True)
     return 0
@@ -247,6 +314,11 @@ def collect(out: Path) -> list[dict[str, Any]]:
         if key not in best or r["loss"] < best[key]["loss"]:
             best[key] = r
     return list(best.values())
+
+
+def ratio_of(run: dict[str, Any]) -> float:
+    """Its tokens per parameter: as the budget gave it ("20x"), else as trained (rounded)."""
+    return run.get("tokens_per_param") or round(run["tokens"] / run["params"], 3)
 
 
 def fit_ladder(args: argparse.Namespace) -> int:
@@ -268,21 +340,19 @@ def fit_ladder(args: argparse.Namespace) -> int:
         print(f"  {key:5s} = {getattr(law, key):.4g}   [{lo:.4g}, {hi:.4g}]")
     residual = max(abs(math.log(law.loss(n, d) / y)) for n, d, y in points)
     print(f"  largest |log(fit / loss)| over the runs: {residual:.4f}")
-    ratios = {round(r["tokens"] / r["params"], 3) for r in runs}
-    common = max(ratios, key=lambda q: sum(round(r["tokens"] / r["params"], 3) == q for r in runs))
-    fixed = [
-        p
-        for p, r in zip(points, runs, strict=True)
-        if round(r["tokens"] / r["params"], 3) == common
-    ]
+    ratios = [ratio_of(r) for r in runs]
+    common = max(set(ratios), key=lambda q: (ratios.count(q), q))  # ties: the largest
+    fixed = [p for p, q in zip(points, ratios, strict=True) if q == common]
     if len(fixed) >= 3:
         simple = fit(fixed, with_data=False)
         print(
             f"L(N) at {common:g} tokens per parameter ({len(fixed)} runs): E = {simple.E:.4g}, "
             f"A = {simple.A:.4g}, alpha = {simple.alpha:.4g}"
         )
+    optimum = None
     if args.budget:
         n_opt, d_opt = law.optimal(args.budget)
+        optimum = (n_opt, law.loss(n_opt, d_opt))
         spread = [x.optimal(args.budget) for x in laws]
         (n_lo, n_hi), (d_lo, d_hi) = (
             interval([s[0] for s in spread]),
@@ -294,7 +364,8 @@ def fit_ladder(args: argparse.Namespace) -> int:
         print(f"  D = {d_opt:.4g} tokens       [{d_lo:.4g}, {d_hi:.4g}]")
         print(f"  predicted loss {law.loss(n_opt, d_opt):.4f}   [{loss_lo:.4f}, {loss_hi:.4f}]")
     plot_path = Path(args.plot) if args.plot else Path(args.out) / "fit.png"
-    plot(law, points, plot_path)
+    per_param = all("tokens_per_param" in r for r in runs)
+    plot(law, points, plot_path, ratios=ratios if per_param else None, optimum=optimum)
     (Path(args.out) / "fit.json").write_text(
         json.dumps({"law": law.__dict__, "runs": runs}, indent=1)
     )
@@ -344,20 +415,41 @@ def transfer(args: argparse.Namespace) -> int:
     return 0
 
 
-def plot(law: Law, points: Sequence[tuple[float, float, float]], path: Path) -> None:
+def plot(
+    law: Law,
+    points: Sequence[tuple[float, float, float]],
+    path: Path,
+    *,
+    ratios: Sequence[float] | None = None,
+    optimum: tuple[float, float] | None = None,
+) -> None:
+    """The fitted law through the runs: one line per token budget, or per tokens-per-parameter
+    ratio (``ratios``, one per point: D = ratio x N along the line); ``optimum`` (N, loss)
+    starred."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    budgets = sorted({p[1] for p in points})
-    n_lo, n_hi = min(p[0] for p in points), max(p[0] for p in points)
-    grid = [n_lo * (n_hi * 4 / n_lo) ** (i / 60) for i in range(61)]
-    for d in budgets:
-        line = ax.plot(grid, [law.loss(n, d) for n in grid], label=f"D = {d:.3g} tokens")[0]
-        pts = [p for p in points if p[1] == d]
+    keys = list(ratios) if ratios is not None else [p[1] for p in points]
+    n_lo, n_hi = min(p[0] for p in points), max(p[0] for p in points) * 4
+    if optimum is not None:
+        n_lo, n_hi = min(n_lo, optimum[0]), max(n_hi, optimum[0] * 2)
+    grid = [n_lo * (n_hi / n_lo) ** (i / 60) for i in range(61)]
+    for key in sorted(set(keys)):
+        if ratios is not None:
+            curve, label = [law.loss(n, key * n) for n in grid], f"D = {key:g} N"
+        else:
+            curve, label = [law.loss(n, key) for n in grid], f"D = {key:.3g} tokens"
+        line = ax.plot(grid, curve, label=label)[0]
+        pts = [p for p, k in zip(points, keys, strict=True) if k == key]
         ax.scatter([p[0] for p in pts], [p[2] for p in pts], color=line.get_color())
+    if optimum is not None:
+        ax.scatter([optimum[0]], [optimum[1]], marker="*", s=150, color="black", zorder=3)
+        ax.annotate(
+            "compute-optimal", optimum, textcoords="offset points", xytext=(6, 6), fontsize=7
+        )
     ax.set_xscale("log")
     ax.set_xlabel("parameters N")
     ax.set_ylabel("final loss")
@@ -376,7 +468,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     run = sub.add_parser("run", help="train the ladder (resumes)")
     run.add_argument("config")
     run.add_argument("--sizes", nargs="+", required=True, help="WIDTHxDEPTH ...")
-    run.add_argument("--tokens", nargs="+", type=float, required=True)
+    run.add_argument(
+        "--tokens", nargs="+", required=True, help="budgets: tokens (2e5) or per parameter (20x)"
+    )
     run.add_argument("--lrs", nargs="+", type=float, default=[1e-3])
     run.add_argument("--batch", type=int, default=4)
     run.add_argument("--seq-len", type=int, default=128)

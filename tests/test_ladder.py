@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -83,6 +84,45 @@ def test_a_finished_run_is_not_repeated_and_slurm_gets_an_array(tmp_path, capsys
     runs = (out / "runs.txt").read_text().splitlines()
     assert len(runs) == 2 and "--model.dim 128" in runs[1] and "--training.steps 20" in runs[1]
     assert ladder.main(["run", config, "--sizes", "64by2", "--tokens", "1", "--out", str(out)]) == 2
+
+
+def test_budgets_per_parameter_count_each_sizes_own_model(tmp_path, capsys) -> None:
+    out = tmp_path / "ladder"
+    config = str(REPO / "train_configs" / "debug_model.toml")
+    argv = ["run", config, "--sizes", "64x2", "--tokens", "1x", "2x", "4096", "--out", str(out)]
+    assert ladder.main([*argv, "--slurm"]) == 0
+    runs = (out / "runs.txt").read_text().splitlines()
+    # 631,104: the trainer's own count for this size (run.json of a 64x2 debug run); 512
+    # tokens a step (batch 4 x 128).
+    steps = [int(re.search(r"--training.steps (\d+)", run)[1]) for run in runs]
+    assert steps == [round(631_104 / 512), round(2 * 631_104 / 512), 8]
+    assert [run.split("--job.dump_folder ")[1].split()[0].rsplit("/", 1)[1] for run in runs] == [
+        "64x2-1x-0.001",
+        "64x2-2x-0.001",
+        "64x2-4096-0.001",
+    ]
+    capsys.readouterr()
+    assert ladder.main([*argv[:5], "1y", "--out", str(out)]) == 2
+    assert ladder.main([*argv, "--set", "model.n_kv_heads", "3"]) == 2  # before any run
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("ladder.py: token budget '1y'")
+    assert err[1] == "ladder.py: size 64x2: model: n_heads 4 is not divisible by n_kv_heads 3"
+    assert sorted(p.name for p in out.iterdir()) == ["ladder.slurm", "runs.txt"]
+
+
+def test_the_law_of_n_alone_at_a_budget_per_parameter(tmp_path, capsys) -> None:
+    for n in SIZES:
+        for ratio in (5.0, 20.0):
+            run = tmp_path / ladder.run_name(f"{n:g}x1", f"{ratio:g}x", 1e-3)
+            run.mkdir()
+            d = ratio * n * 1.001  # rounded to whole steps: the ratio is the budget's
+            record = {"size": f"{n:g}x1", "tokens": d, "tokens_per_param": ratio, "lr": 1e-3}
+            record |= {"params": n, "loss": TRUE.loss(n, d)}
+            (run / "ladder.json").write_text(json.dumps(record))
+    assert ladder.main(["fit", str(tmp_path), "--budget", "1e18", "--bootstrap", "4"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("L(N) at"))
+    assert line.startswith("L(N) at 20 tokens per parameter (5 runs)")  # the larger of equals
+    assert (tmp_path / "fit.png").stat().st_size > 1000
 
 
 def test_transfer_marks_the_best_learning_rate_of_each_width(tmp_path, capsys) -> None:

@@ -491,6 +491,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_ladder(args)
     if args.command == "transfer":
         return transfer(args)
+    import torch
+
+    # The fit's tensors are tiny: on a busy machine a second intra-op thread made it 10x slower.
+    torch.set_num_threads(1)
     return fit_ladder(args)
 
 

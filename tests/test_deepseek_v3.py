@@ -24,7 +24,6 @@ from titanlite.models.layers import count_params
 
 REPO = Path(__file__).resolve().parent.parent
 SPEC = get("deepseek_v3")
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_args(**changes: object) -> DeepseekV3Args:

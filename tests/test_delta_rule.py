@@ -13,8 +13,6 @@ import torch
 from titanlite.models.attention import delta_rule
 from titanlite.models.attention.delta_rule import document_starts
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def stepwise(q, k, v, g, beta, initial_state=None, resets=None):  # noqa: ANN001, ANN201
     """One token at a time: reset, decay, delta-rule write, read."""

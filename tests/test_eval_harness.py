@@ -24,8 +24,6 @@ from titanlite.errors import EXIT_USER_ERROR
 sys.path.insert(0, str(REPO / "scripts"))
 import eval_harness  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def task_yaml(folder: Path, rows: Path, name: str = "tiny_task") -> Path:
     """An lm-eval multiple-choice task over a titanlite task file (context, choices, label);

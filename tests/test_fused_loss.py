@@ -271,6 +271,7 @@ def assert_exact(name: str, diff: dict[str, float]) -> None:
     assert diff["grad_norm"] <= GRAD_NORM_RTOL, (name, diff)
 
 
+@pytest.mark.slow  # three runs of the trainer: with its layouts, below
 def test_one_process_fused_trains_as_unfused_with_mtp_z_loss_and_documents(
     tmp_path: Path,
 ) -> None:

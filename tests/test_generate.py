@@ -25,10 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 import generate as generate_script  # noqa: E402
 
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:.*assuming the intent is to:UserWarning"),
-    pytest.mark.usefixtures("one_thread"),
-]
+pytestmark = pytest.mark.filterwarnings("ignore:.*assuming the intent is to:UserWarning")
 ARGS = ModelArgs(
     dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=4096, multiple_of=32, max_seq_len=128
 )

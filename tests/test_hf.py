@@ -53,10 +53,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 # The helpers save checkpoints without a process group, as intended.
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:.*assuming the intent is to:UserWarning"),
-    pytest.mark.usefixtures("one_thread"),
-]
+pytestmark = pytest.mark.filterwarnings("ignore:.*assuming the intent is to:UserWarning")
 # transformers takes seconds to import and to build a model: those tests are slow.
 needs_transformers = pytest.mark.slow
 

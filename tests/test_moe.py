@@ -26,7 +26,6 @@ from titanlite.models.qwen3_moe.args import FLAVORS, Qwen3MoeArgs
 
 REPO = Path(__file__).resolve().parent.parent
 SPEC = get("qwen3_moe")
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def moe_args(**changes: object) -> Qwen3MoeArgs:

@@ -25,10 +25,7 @@ import convert_from_hf  # noqa: E402
 import convert_to_hf  # noqa: E402
 
 QWEN3 = get("qwen3")
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:.*assuming the intent is to:UserWarning"),
-    pytest.mark.usefixtures("one_thread"),
-]
+pytestmark = pytest.mark.filterwarnings("ignore:.*assuming the intent is to:UserWarning")
 
 
 def tiny_args(**changes: object) -> Qwen3Args:

@@ -30,10 +30,7 @@ import convert_from_hf  # noqa: E402
 import convert_to_hf  # noqa: E402
 
 QWEN35 = get("qwen3_5")
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:.*assuming the intent is to:UserWarning"),
-    pytest.mark.usefixtures("one_thread"),
-]
+pytestmark = pytest.mark.filterwarnings("ignore:.*assuming the intent is to:UserWarning")
 
 
 def tiny_args(family: str = "qwen3_5", **changes: object) -> Qwen35Args:

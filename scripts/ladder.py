@@ -3,7 +3,7 @@
     python scripts/ladder.py run CONFIG --sizes 64x2 128x2 256x4 --tokens 2e5 4e5 8e5 \\
         --lrs 1e-3 3e-3 --out ladder [--set section.key value ...]
     python scripts/ladder.py run CONFIG --sizes 32x2 64x2 128x2 --tokens 0.5x 1x 2x ...
-    python scripts/ladder.py fit ladder --budget 1e18 [--plot ladder/fit.png]
+    python scripts/ladder.py fit ladder --budget 1e18 [--at N D] [--plot ladder/fit.png]
     python scripts/ladder.py transfer ladder [--plot ladder/transfer.png]
 
 ``run`` trains every size (``WIDTHxDEPTH``: model.dim x model.n_layers; heads = width /
@@ -20,7 +20,8 @@ relative residuals, the law L(N, D) = E + A / N^alpha + B / D^beta (N: parameter
 tokens), and the simpler L(N) = E + A / N^alpha over the runs at the most common
 tokens-per-parameter ratio (a budget given as ``20x``). It prints the parameters with
 bootstrap intervals (runs resampled), the compute-optimal N and D for --budget FLOPs
-(C = 6 N D) with the loss predicted there, and plots the fit with the points (and the optimum).
+(C = 6 N D) with the loss predicted there (and at any --at N D), and plots the fit with the
+points (and the optimum).
 ``transfer`` reads a ladder run with several learning rates (with or without ``--set
 mup.enable true``) and prints, per size and token budget, the loss at each learning rate and
 which is best: with μP the best stays put as the width grows.
@@ -363,6 +364,10 @@ def fit_ladder(args: argparse.Namespace) -> int:
         print(f"  N = {n_opt:.4g} parameters   [{n_lo:.4g}, {n_hi:.4g}]")
         print(f"  D = {d_opt:.4g} tokens       [{d_lo:.4g}, {d_hi:.4g}]")
         print(f"  predicted loss {law.loss(n_opt, d_opt):.4f}   [{loss_lo:.4f}, {loss_hi:.4f}]")
+    for n, d in args.at:  # a size and budget of the user's: e.g. one held out of the ladder
+        lo, hi = interval([x.loss(n, d) for x in laws])
+        predicted = law.loss(n, d)
+        print(f"at N = {n:.4g}, D = {d:.4g}: predicted loss {predicted:.4f}   [{lo:.4f}, {hi:.4f}]")
     plot_path = Path(args.plot) if args.plot else Path(args.out) / "fit.png"
     per_param = all("tokens_per_param" in r for r in runs)
     plot(law, points, plot_path, ratios=ratios if per_param else None, optimum=optimum)
@@ -451,6 +456,10 @@ def plot(
             "compute-optimal", optimum, textcoords="offset points", xytext=(6, 6), fontsize=7
         )
     ax.set_xscale("log")
+    ticker = matplotlib.ticker  # 1, 2 and 5 of each decade, written 2e+05
+    ax.xaxis.set_major_locator(ticker.LogLocator(subs=(1, 2, 5)))
+    ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:.0e}"))
+    ax.xaxis.set_minor_formatter(ticker.NullFormatter())
     ax.set_xlabel("parameters N")
     ax.set_ylabel("final loss")
     ax.set_title(
@@ -481,6 +490,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     fitting = sub.add_parser("fit", help="fit the law to a ladder's runs")
     fitting.add_argument("out")
     fitting.add_argument("--budget", type=float, default=0.0, help="FLOPs to plan for")
+    fitting.add_argument(
+        "--at", nargs=2, type=float, action="append", default=[], metavar=("N", "D"),
+        help="also predict the loss of N parameters trained on D tokens",
+    )  # fmt: skip
     fitting.add_argument("--bootstrap", type=int, default=50)
     fitting.add_argument("--plot", default="")
     moved = sub.add_parser("transfer", help="the best learning rate of each size")

@@ -52,9 +52,14 @@ def write_runs(folder: Path, points: list[tuple[float, float, float]]) -> None:
 
 def test_fit_prints_the_law_the_optimum_and_plots(tmp_path, capsys) -> None:
     write_runs(tmp_path, synthetic(0.001))
-    assert ladder.main(["fit", str(tmp_path), "--budget", "1e18", "--bootstrap", "8"]) == 0
+    argv = ["fit", str(tmp_path), "--budget", "1e18", "--bootstrap", "8", "--at", "2e7", "3e8"]
+    assert ladder.main(argv) == 0
     out = capsys.readouterr().out
     assert "compute-optimal at 1e+18 FLOPs" in out and "predicted loss" in out
+    # A size and budget beyond the ladder's (2x its largest N, 3x its largest D).
+    at = next(line for line in out.splitlines() if line.startswith("at N = 2e+07, D = 3e+08"))
+    predicted = float(at.split("predicted loss ")[1].split()[0])
+    assert predicted == pytest.approx(TRUE.loss(2e7, 3e8), rel=2e-3)
     assert (tmp_path / "fit.png").stat().st_size > 1000
     fitted = json.loads((tmp_path / "fit.json").read_text())["law"]
     assert abs(fitted["alpha"] - TRUE.alpha) < 0.03

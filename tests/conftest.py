@@ -79,10 +79,12 @@ def pytest_configure(config: pytest.Config) -> None:
     # The tests in this process run tiny tensors, one intra-op thread each, as the processes
     # they start do (subprocess_env): two pytest workers share two cores, and threads that
     # spin while the other worker holds a core made the fast subset 1.5x slower (153 s
-    # against 100 s, measured beside two training runs).
-    import torch
-
-    torch.set_num_threads(int(os.environ.get("TITANLITE_TEST_THREADS", "1")))
+    # against 100 s, measured beside two training runs). Through the variable torch reads at
+    # import, so that a pytest that imports no torch (test_env_independence's) does not.
+    threads = os.environ.get("TITANLITE_TEST_THREADS", "1")
+    os.environ["OMP_NUM_THREADS"] = threads
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))
 
 
 def subprocess_env(tmp_path: Path, **extra: str) -> dict[str, str]:

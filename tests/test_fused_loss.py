@@ -318,6 +318,7 @@ def test_fused_layouts_train_as_one_unfused_process(tmp_path: Path) -> None:
         assert_exact(name, diff)
 
 
+@pytest.mark.slow  # two runs of the trainer
 def test_under_float8_the_fused_projection_stays_in_high_precision(tmp_path: Path) -> None:
     """Float8 on every other linear: the fused run (whose filter would let the projection be
     converted) trains as the unfused one whose filter keeps it in high precision; float8

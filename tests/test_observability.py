@@ -3,6 +3,7 @@ start-up breakdown, the benchmark scripts, and how fast the launcher's checks st
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import math
@@ -71,16 +72,25 @@ def test_memory_timeline_gives_each_phase_its_own_peak(tmp_path: Path) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     profiler = Profiler(cfg.profiling, tmp_path, rank=0, first_step=1)
     profiler.watch([model], [optimizer])
-    for _ in range(4):
-        out = model(torch.ones(1))
-        loss = (out.exp() - 1).sum()  # the loss's own 64 MiB temporary (and its gradient)
-        del out
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        with torch.no_grad():
-            model(torch.ones(1))  # validation: outside the phases, after the step
-        profiler.step()
+    # The phases' sizes are differences of this process's resident memory: the garbage of
+    # earlier tests in this pytest worker, collected in the middle of a phase, once took
+    # 64 MiB off one (2 of 7 runs of the fast subset on two workers). Collected first, and
+    # the collector kept out of the steps.
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(4):
+            out = model(torch.ones(1))
+            loss = (out.exp() - 1).sum()  # the loss's own 64 MiB temporary (and its gradient)
+            del out
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            with torch.no_grad():
+                model(torch.ones(1))  # validation: outside the phases, after the step
+            profiler.step()
+    finally:
+        gc.enable()
     profiler.close()
     folder = tmp_path / "memory_snapshot"
     assert sorted(p.name for p in folder.iterdir()) == ["iteration_2", "iteration_4"]
